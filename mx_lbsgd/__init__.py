@@ -1,0 +1,24 @@
+"""Fast, correct large-batch and mixed-precision SGD for Apache MXNet 1.9.1.
+
+``import mx_lbsgd`` registers :class:`LBSGD` as ``'lbsgd'`` (replacing MXNet's own), so
+``mx.optimizer.create('lbsgd')``, ``gluon.Trainer(params, 'lbsgd')`` and
+``Module.fit(optimizer='lbsgd')`` use it.
+"""
+import warnings
+
+import mxnet as mx
+
+from .lbsgd import LBSGD
+from .lr_scheduler import WarmupScheduler
+from .schedules import WARMUP_STRATEGIES, warmup_multiplier
+
+__all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
+           'MXNET_LBSGD']
+__version__ = '0.1.0'
+
+#: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.
+MXNET_LBSGD = mx.optimizer.optimizer.LBSGD
+
+with warnings.catch_warnings():
+    warnings.simplefilter('ignore')   # MXNet warns that 'lbsgd' is being overridden
+    mx.optimizer.register(LBSGD)

@@ -1,0 +1,225 @@
+"""`LBSGD`: large-batch SGD with warmup, LARS, gradient accumulation and fp32 master weights."""
+import warnings
+
+import numpy as np
+import mxnet as mx
+from mxnet import nd
+
+from . import _kernels
+from ._checks import check_choice, check_int, check_real
+from .schedules import WARMUP_STRATEGIES, warmup_multiplier
+
+DEFAULT_LARS_EXCLUDE = ('bias', 'gamma', 'beta')
+
+
+class LBSGD(mx.optimizer.Optimizer):
+    """Large-batch SGD with momentum and weight decay (registered as ``'lbsgd'``).
+
+    Each call counts one micro-batch per parameter and device. With ``batch_scale=B``
+    the gradients of B micro-batches are summed in a float32 buffer and applied once::
+
+        k = micro-batches seen by this parameter on this device      # 1, 2, 3, ...
+        if k % B != 0:
+            acc = grad if k % B == 1 else acc + grad                 # no weight touched
+            return
+        g = (acc + grad) / B if B > 1 else grad
+        n = begin_epoch * updates_per_epoch + k
+        W = warmup_epochs * updates_per_epoch
+        mult = warmup_multiplier(n, W, B, warmup_strategy)          # linear, power2, sqrt
+        if warmup_strategy == 'lars' and layer not excluded:
+            mult = clip(lars_eta * |w| / (|g * rescale_grad| + wd * |w| + lars_eps),
+                        lars_min, lars_max)            # 1 where |w| == 0 or |g| == 0
+        mom = momentum * mom - lr * mult * (clip(rescale_grad * g, clip_gradient) + wd * w)
+        w = w + mom
+
+    With ``multi_precision=True`` and float16 weights, ``w`` above is an fp32 master copy
+    (state ``(mom, weight_fp32)`` as in ``mx.optimizer.SGD``) cast back to the fp16 weight.
+
+    LARS: You, Gitman & Ginsburg, "Large Batch Training of Convolutional Networks" (2017),
+    https://arxiv.org/abs/1708.03888. Warmup: Goyal et al., "Accurate, Large Minibatch SGD"
+    (2017), https://arxiv.org/abs/1706.02677.
+
+    Differences from MXNet 1.9.1's ``mx.optimizer.LBSGD``: updates run on fused
+    multi-tensor kernels (GPU) or the fastest per-tensor kernels (CPU); LARS norms stay on
+    the device, include ``rescale_grad``, use the fp32 master weights, have a trust
+    coefficient (``lars_eta``) and skip biases and BatchNorm parameters; accumulation is
+    fp32, lives in the per-device optimizer state (multi-device Gluon training is right),
+    keeps the first micro-batch and launches no ``lr=0`` kernel between updates; bad
+    arguments raise instead of silently disabling warmup. ``lars`` with the clip range
+    open matches ``mx.optimizer.LARS(momentum_correction=False)``. Compared with PyTorch's
+    ``torch.optim.SGD``: MXNet's momentum form (lr inside the momentum buffer), weight decay
+    added to the gradient, no dampening or Nesterov.
+
+    Parameters (besides those of ``mx.optimizer.Optimizer``)
+    ----------
+    momentum : float in [0, 1)
+    multi_precision : bool
+        Keep fp32 master weights (and fp32 momentum) for float16 weights.
+    warmup_strategy : {'linear', 'power2', 'sqrt', 'lars'}
+    warmup_epochs : float >= 0
+    batch_scale : int >= 1
+        Micro-batches per update; also the final learning-rate multiplier of the warmup.
+    updates_per_epoch : int >= 1
+        Micro-batches per epoch (warmup length W = warmup_epochs * updates_per_epoch).
+    begin_epoch : int >= 0
+        Epoch the run starts from: the warmup position starts at begin_epoch * updates_per_epoch.
+    num_epochs : int >= 1
+        Accepted for compatibility with MXNet's LBSGD, which does not use it either.
+    lars_eta : float > 0, default 0.001
+        Trust coefficient (the LARS paper's and ``mx.optimizer.LARS``'s default).
+    lars_eps : float >= 0, default 0
+        Added to the denominator (zero norms already fall back to a factor of 1).
+    lars_min, lars_max : float, default 0 and inf
+        Clip range of the trust ratio; open by default, like the paper and MXNet's LARS.
+    lars_exclude : None, sequence of str, or callable(name) -> bool
+        Layers LARS leaves at factor 1. Default: names ending in 'bias', 'gamma' or 'beta'.
+        A sequence gives name suffixes; names come from ``param_dict`` (Gluon) or
+        ``param_idx2name`` (Module). Use a module-level function to keep it picklable.
+    fused : None or bool
+        Kernel path: None picks fused multi-tensor kernels on GPU and per-tensor kernels on
+        CPU (faster there, as measured); ``$MX_LBSGD_FUSED=0/1`` overrides None.
+    """
+
+    def __init__(self, momentum=0.0, multi_precision=False, warmup_strategy='linear',
+                 warmup_epochs=5, batch_scale=1, updates_per_epoch=32, begin_epoch=0,
+                 num_epochs=60, lars_eta=0.001, lars_eps=0.0, lars_min=0.0,
+                 lars_max=float('inf'), lars_exclude=None, fused=None, **kwargs):
+        check_real('momentum', momentum, 0.0, 1.0, open_max=True)
+        check_choice('warmup_strategy', warmup_strategy, WARMUP_STRATEGIES)
+        check_real('warmup_epochs', warmup_epochs, 0.0)
+        check_int('batch_scale', batch_scale, 1)
+        check_int('updates_per_epoch', updates_per_epoch, 1)
+        check_int('begin_epoch', begin_epoch, 0)
+        check_int('num_epochs', num_epochs, 1)
+        check_real('lars_eta', lars_eta, 0.0, open_min=True)
+        check_real('lars_eps', lars_eps, 0.0)
+        check_real('lars_min', lars_min, 0.0)
+        check_real('lars_max', lars_max, 0.0)
+        if lars_min > lars_max:
+            raise ValueError('lars_min must be <= lars_max; got lars_min=%r, lars_max=%r'
+                             % (lars_min, lars_max))
+        if not (lars_exclude is None or callable(lars_exclude)
+                or (isinstance(lars_exclude, (list, tuple))
+                    and all(isinstance(s, str) for s in lars_exclude))):
+            raise TypeError('lars_exclude must be None, a list of name suffixes or a '
+                            'callable(name) -> bool; got %r' % (lars_exclude,))
+        if fused not in (None, True, False):
+            raise ValueError('fused=%r is not supported; expected one of (None, True, False)'
+                             % (fused,))
+        _kernels.use_fused(fused, mx.cpu())     # validates $MX_LBSGD_FUSED
+        super().__init__(multi_precision=multi_precision, **kwargs)
+        self.momentum = float(momentum)
+        self.warmup_strategy = warmup_strategy
+        self.warmup_epochs = warmup_epochs
+        self.batch_scale = int(batch_scale)
+        self.updates_per_epoch = int(updates_per_epoch)
+        self.begin_epoch = int(begin_epoch)
+        self.init_updates = self.begin_epoch * self.updates_per_epoch
+        self.num_epochs = int(num_epochs)
+        self.lars_eta = float(lars_eta)
+        self.lars_eps = float(lars_eps)
+        self.lars_min = float(lars_min)
+        self.lars_max = float(lars_max)
+        self.lars_exclude = (DEFAULT_LARS_EXCLUDE if lars_exclude is None
+                             else lars_exclude if callable(lars_exclude)
+                             else tuple(lars_exclude))
+        self.fused = fused
+        # The Updater hands over every parameter of a dtype at once; kernels chunk by 60.
+        self.aggregate_num = 1 << 30
+        self._scratch = {}
+
+    # -- state -------------------------------------------------------------------------
+    def _uses_master(self, weight):
+        return self.multi_precision and weight.dtype == np.float16
+
+    def create_state(self, index, weight):
+        if weight.dtype == np.float16 and self.batch_scale > 1:
+            raise ValueError('batch_scale=%d with float16 weights needs multi_precision=True:'
+                             ' the float32 accumulated gradient updates the float32 master '
+                             'copy' % self.batch_scale)
+        return self._make_state(weight, weight.dtype, master=None)
+
+    def create_state_multi_precision(self, index, weight):
+        if self._uses_master(weight):
+            return self._make_state(weight, np.float32, master=weight.astype(np.float32))
+        if weight.dtype == np.float16:
+            warnings.warn('Accumulating with float16 in optimizer can lead to poor accuracy '
+                          'or slow convergence. Consider multi_precision=True.')
+        return self.create_state(index, weight)
+
+    def _make_state(self, weight, dtype, master):
+        """MXNet SGD's layout: mom, or (mom, weight_fp32); an accumulator goes last."""
+        mom = (nd.zeros(weight.shape, weight.context, dtype=dtype)
+               if self.momentum != 0.0 else None)
+        parts = [mom] if master is None else [mom, master]
+        if self.batch_scale > 1:
+            acc_dtype = np.promote_types(weight.dtype, np.float32)
+            parts.append(nd.zeros(weight.shape, weight.context, dtype=acc_dtype))
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    def _split_state(self, weight, state):
+        """(momentum, master copy or None, accumulator or None) from a state."""
+        master = self._uses_master(weight)
+        if self.batch_scale == 1:
+            return (state[0], state[1], None) if master else (state, None, None)
+        return (state[0], state[1], state[2]) if master else (state[0], None, state[1])
+
+    # -- update ------------------------------------------------------------------------
+    def _name(self, index):
+        if index in self.param_dict:
+            return self.param_dict[index].name
+        return self.idx2name.get(index, str(index))
+
+    def _lars_applies(self, index):
+        name = self._name(index)
+        if callable(self.lars_exclude):
+            return not self.lars_exclude(name)
+        return not name.endswith(self.lars_exclude)
+
+    def update(self, index, weight, grad, state):
+        self.update_multi_precision(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        if not isinstance(index, (list, tuple)):
+            index, weight, grad, state = [index], [weight], [grad], [state]
+        for i, w, g in zip(index, weight, grad):
+            if g.stype != 'default' or w.stype != 'default':
+                raise TypeError("LBSGD supports only dense ('default') weights and gradients;"
+                                " parameter %s has weight stype %r, gradient stype %r"
+                                % (self._name(i), w.stype, g.stype))
+        self._update_count(index)
+        B = self.batch_scale
+        steps = [self._index_update_count[i] - self.begin_num_update for i in index]
+        parts = [self._split_state(w, s) for w, s in zip(weight, state)]
+        if B > 1:
+            for first in (True, False):
+                pick = [j for j, k in enumerate(steps) if (k % B == 1) == first]
+                if pick:
+                    _kernels.accumulate(accs=[parts[j][2] for j in pick],
+                                        grads=[grad[j] for j in pick], first=first,
+                                        scratch=self._scratch)
+        due = [j for j, k in enumerate(steps) if k % B == 0]
+        if not due:
+            return
+        lrs = self._get_lrs([index[j] for j in due])
+        wds = self._get_wds([index[j] for j in due])
+        lars = None
+        if self.warmup_strategy == 'lars':
+            lars = dict(apply=[self._lars_applies(index[j]) for j in due], eta=self.lars_eta,
+                        eps=self.lars_eps, lars_min=self.lars_min, lars_max=self.lars_max)
+        else:
+            W = self.warmup_epochs * self.updates_per_epoch
+            lrs = [lr * warmup_multiplier(self.init_updates + steps[j], W, B,
+                                          self.warmup_strategy)
+                   for lr, j in zip(lrs, due)]
+        _kernels.sgd(weights=[weight[j] for j in due],
+                     grads=[grad[j] if B == 1 else parts[j][2] for j in due],
+                     moms=[parts[j][0] for j in due], masters=[parts[j][1] for j in due],
+                     lrs=lrs, wds=wds, momentum=self.momentum,
+                     rescale_grad=self.rescale_grad / B, clip_gradient=self.clip_gradient,
+                     fused=self.fused, lars=lars)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state['_scratch'] = {}
+        return state

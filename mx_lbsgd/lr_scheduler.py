@@ -1,0 +1,51 @@
+"""Warmup learning-rate schedulers for any MXNet optimizer."""
+import mxnet as mx
+
+from ._checks import check_choice, check_int, check_real
+from .schedules import WARMUP_SHAPES, decay_fraction, warmup_fraction
+
+
+class WarmupScheduler(mx.lr_scheduler.LRScheduler):
+    """Warmup from `warmup_begin_lr` to `base_lr`, then constant, poly or cosine decay.
+
+    A pure function of the update count: ``sched(t)`` twice gives the same value, and
+    calling it never changes the scheduler (unlike MXNet's FactorScheduler)::
+
+        t <  W:              warmup_begin_lr + (base_lr - warmup_begin_lr) * f(t / W)
+        W <= t < max_update: final_lr + (base_lr - final_lr) * d((t - W) / (max_update - W))
+        t >= max_update:     final_lr            (with a decay)
+
+    with f = t, t**2 or sqrt(t) for strategy 'linear', 'power2', 'sqrt' and
+    d = (1 - p)**power ('poly'), (1 + cos(pi p)) / 2 ('cosine') or 1 (decay=None).
+    """
+
+    def __init__(self, base_lr=0.01, warmup_steps=0, strategy='linear', warmup_begin_lr=0.0,
+                 decay=None, max_update=None, final_lr=0.0, power=2.0):
+        check_choice('strategy', strategy, WARMUP_SHAPES)
+        check_choice('decay', decay, (None, 'poly', 'cosine'))
+        check_int('warmup_steps', warmup_steps, 0)
+        check_real('base_lr', base_lr, 0.0)
+        check_real('warmup_begin_lr', warmup_begin_lr, 0.0)
+        check_real('final_lr', final_lr, 0.0)
+        check_real('power', power, 0.0, open_min=True)
+        if decay is not None:
+            if max_update is None:
+                raise ValueError('decay=%r needs max_update (an integer > warmup_steps)'
+                                 % decay)
+            check_int('max_update', max_update, warmup_steps + 1)
+        super().__init__(base_lr=base_lr)
+        self.warmup_steps = warmup_steps
+        self.strategy = strategy
+        self.warmup_begin_lr = warmup_begin_lr
+        self.decay = decay
+        self.max_update = max_update
+        self.final_lr = final_lr
+        self.power = power
+
+    def __call__(self, num_update):
+        if num_update < self.warmup_steps:
+            frac = warmup_fraction(num_update, self.warmup_steps, self.strategy)
+            return self.warmup_begin_lr + (self.base_lr - self.warmup_begin_lr) * frac
+        keep = decay_fraction(num_update, self.warmup_steps, self.max_update, self.decay,
+                              self.power)
+        return self.final_lr + (self.base_lr - self.final_lr) * keep

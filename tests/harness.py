@@ -1,0 +1,30 @@
+"""MXNet-side helpers shared by the tests (the numpy side is reference.py)."""
+import mxnet as mx
+import numpy as np
+
+import mx_lbsgd  # noqa: F401  (registers 'lbsgd')
+
+SHAPES = [(7, 5), (5,), (3, 4, 2, 2), (1,), (11,), (4, 4)]
+NAMES = ['fc0_weight', 'fc0_bias', 'conv0_weight', 'bn0_gamma', 'bn0_beta', 'fc1_weight']
+
+
+def make_problem(steps, shapes=SHAPES, seed=0, grad_scale=0.1, zero_grad=(2, 1)):
+    """Initial weights and `steps` gradient sets; one all-zero gradient at `zero_grad`."""
+    rng = np.random.RandomState(seed)
+    weights = [rng.uniform(-1, 1, s) for s in shapes]
+    grads = [[rng.uniform(-1, 1, s) * grad_scale for s in shapes] for _ in range(steps)]
+    if zero_grad is not None and zero_grad[0] < steps:
+        step, i = zero_grad
+        grads[step][i] = np.zeros(shapes[i])
+    return weights, grads
+
+
+def run_optimizer(opt, weights, grads, dtype, ctx=mx.cpu()):
+    """Run `opt` through MXNet's Updater (as Gluon and Module do); return the weights,
+    the updater and the NDArrays."""
+    updater = mx.optimizer.get_updater(opt)
+    w_nd = [mx.nd.array(w, ctx=ctx, dtype=dtype) for w in weights]
+    for step in grads:
+        g_nd = [mx.nd.array(g, ctx=ctx, dtype=dtype) for g in step]
+        updater(list(range(len(w_nd))), g_nd, w_nd)
+    return [w.asnumpy() for w in w_nd], updater, w_nd

@@ -1,0 +1,197 @@
+import itertools
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import mx_lbsgd
+from harness import NAMES, SHAPES, make_problem, run_optimizer
+from reference import LBSGDReference
+
+DTYPES = {  # id -> (weight dtype, multi_precision, rtol on weights)
+    'fp32': ('float32', False, 2e-5),
+    'fp64': ('float64', False, 1e-6),   # kernels take lr, wd, momentum as float32
+    'fp16mp': ('float16', True, 2e-5),
+}
+CASES = [
+    pytest.param(dict(dtype=d, momentum=m, strategy=s, B=b, fused=f),
+                 id='%s-mom%s-%s-B%d-%s' % (d, m, s, b, 'fused' if f else 'pertensor'))
+    for d, m, s, b, f in itertools.product(DTYPES, (0.0, 0.9), mx_lbsgd.WARMUP_STRATEGIES,
+                                           (1, 4), (True, False))
+]
+OPT_ARGS = dict(learning_rate=0.1, wd=1e-3, rescale_grad=0.5, clip_gradient=0.04,
+                warmup_epochs=3, updates_per_epoch=2, lars_eta=0.02)
+
+
+def compare_with_reference(case, steps=8, shapes=SHAPES, names=NAMES, **extra):
+    dtype, mp, rtol = DTYPES[case['dtype']]
+    args = dict(OPT_ARGS, **extra)
+    weights, grads = make_problem(steps, shapes)
+    if dtype == 'float16':   # the reference starts from what fp16 can hold
+        weights = [w.astype(np.float16) for w in weights]
+        grads = [[g.astype(np.float16) for g in step] for step in grads]
+    opt = mx_lbsgd.LBSGD(momentum=case['momentum'], warmup_strategy=case['strategy'],
+                         batch_scale=case['B'], multi_precision=mp, fused=case['fused'],
+                         param_idx2name=dict(enumerate(names)), **args)
+    got, updater, w_nd = run_optimizer(opt, weights, grads, dtype)
+    ref = LBSGDReference(weights, names, lr=args['learning_rate'], wd=args['wd'],
+                         momentum=case['momentum'], strategy=case['strategy'], B=case['B'],
+                         warmup_epochs=args['warmup_epochs'],
+                         updates_per_epoch=args['updates_per_epoch'],
+                         rescale=args['rescale_grad'], clip=args['clip_gradient'],
+                         eta=args['lars_eta'], eps=args.get('lars_eps', 0.0),
+                         lars_min=args.get('lars_min', 0.0),
+                         lars_max=args.get('lars_max', np.inf), wd_mults=_wd_mults(names))
+    for step in grads:
+        ref.step(step)
+    for i, (w, r) in enumerate(zip(got, ref.w)):
+        if mp:
+            master = updater.states[i][1].asnumpy()
+            np.testing.assert_allclose(master, r, rtol=rtol, atol=1e-6, err_msg=names[i])
+            np.testing.assert_array_equal(w, master.astype(np.float16))
+        else:
+            np.testing.assert_allclose(w, r, rtol=rtol, atol=1e-6 * (dtype != 'float64'),
+                                       err_msg=names[i])
+    assert any(not np.array_equal(w, w0) for w, w0 in zip(got, weights))
+    return got, updater
+
+
+def _wd_mults(names):
+    """MXNet's Optimizer: with names given, wd applies only to *_weight and *_gamma."""
+    return {n: 0.0 for n in names if not n.endswith(('_weight', '_gamma'))}
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_matches_numpy_reference(case):
+    compare_with_reference(case)
+
+
+@pytest.mark.parametrize('fused', [pytest.param(True, id='fused'),
+                                   pytest.param(False, id='pertensor')])
+@pytest.mark.parametrize('strategy', ['linear', 'lars'])
+def test_more_tensors_than_one_kernel_takes(strategy, fused):
+    shapes = [(3,), (2, 2), (5,)] * 45     # 135 tensors: three chunks of at most 60
+    names = ['l%d_%s' % (i, 'bias' if i % 3 == 0 else 'weight') for i in range(len(shapes))]
+    case = dict(dtype='fp32', momentum=0.9, strategy=strategy, B=4, fused=fused)
+    compare_with_reference(case, shapes=shapes, names=names)
+
+
+@pytest.mark.parametrize('fused', [pytest.param(True, id='fused'),
+                                   pytest.param(False, id='pertensor')])
+def test_lars_clip_range(fused):
+    case = dict(dtype='fp32', momentum=0.9, strategy='lars', B=1, fused=fused)
+    compare_with_reference(case, lars_eta=0.5, lars_min=0.3, lars_max=2.0, lars_eps=1e-3)
+
+
+def test_begin_epoch_offsets_the_warmup():
+    opt = mx_lbsgd.LBSGD(warmup_strategy='linear', batch_scale=4, warmup_epochs=2,
+                         updates_per_epoch=4, begin_epoch=1, learning_rate=0.1)
+    weights, grads = make_problem(4, shapes=[(3,)], zero_grad=None)
+    got, _, _ = run_optimizer(opt, weights, grads, 'float32')
+    # n = 1*4 + 4 = 8 = W: the multiplier is already batch_scale
+    expected = weights[0] - 0.1 * 4 * np.mean([g[0] for g in grads], axis=0)
+    np.testing.assert_allclose(got[0], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize('fused', [pytest.param(True, id='fused'),
+                                   pytest.param(False, id='pertensor')])
+def test_fp16_gradients_above_256_keep_lars_finite(fused):
+    """CPU multi_sum_sq squares fp16 in fp16 (inf above 256); our norms must not."""
+    shapes = [(64, 32), (32,)]
+    names = ['fc_weight', 'fc_bias']
+    rng = np.random.RandomState(3)
+    weights = [rng.uniform(-300, 300, s).astype(np.float16) for s in shapes]
+    grads = [[rng.uniform(300, 2000, s).astype(np.float16) for s in shapes] for _ in range(3)]
+    opt = mx_lbsgd.LBSGD(warmup_strategy='lars', multi_precision=True, momentum=0.9,
+                         learning_rate=1.0, lars_eta=0.01, fused=fused,
+                         param_idx2name=dict(enumerate(names)))
+    got, updater, _ = run_optimizer(opt, weights, grads, 'float16')
+    ref = LBSGDReference(weights, names, lr=1.0, wd=0.0, momentum=0.9, strategy='lars',
+                         eta=0.01)
+    for step in grads:
+        ref.step(step)
+    master = updater.states[0][1].asnumpy()
+    assert np.all(np.isfinite(master))
+    assert not np.array_equal(got[0], weights[0])       # the layer is not frozen
+    np.testing.assert_allclose(master, ref.w[0], rtol=1e-5, atol=1e-3)
+
+
+def test_gradient_accumulation_touches_no_weight_between_updates():
+    opt = mx_lbsgd.LBSGD(batch_scale=4, momentum=0.9, learning_rate=0.1)
+    weights, grads = make_problem(3, zero_grad=None)
+    got, updater, _ = run_optimizer(opt, weights, grads, 'float32')
+    for w, w0 in zip(got, weights):
+        np.testing.assert_array_equal(w, w0.astype(np.float32))
+    assert all(np.all(s[0].asnumpy() == 0) for s in updater.states.values())
+
+
+def test_accumulation_does_not_alias_the_gradient_buffer():
+    """MXNet's LBSGD kept a reference to the first gradient: overwriting the buffer
+    (as backward does) changed what it had accumulated."""
+    opt = mx_lbsgd.LBSGD(batch_scale=2, learning_rate=1.0, warmup_epochs=0)
+    updater = mx.optimizer.get_updater(opt)
+    w = mx.nd.zeros((3,))
+    g = mx.nd.ones((3,))
+    updater(0, g, w)
+    g[:] = 3.0        # backward writes the next micro-batch into the same buffer
+    updater(0, g, w)
+    np.testing.assert_allclose(w.asnumpy(), -2.0 * (1.0 + 3.0) / 2)
+
+
+def test_fp16_accumulation_without_master_copy_is_refused():
+    opt = mx_lbsgd.LBSGD(batch_scale=2)
+    with pytest.raises(ValueError, match='multi_precision=True'):
+        mx.optimizer.get_updater(opt)(0, mx.nd.ones((2,), dtype='float16'),
+                                      mx.nd.ones((2,), dtype='float16'))
+
+
+def test_sparse_gradient_is_refused_before_any_change():
+    opt = mx_lbsgd.LBSGD(momentum=0.9)
+    w = mx.nd.ones((4, 2))
+    g = mx.nd.ones((4, 2)).tostype('row_sparse')
+    state = opt.create_state(0, w)
+    with pytest.raises(TypeError, match="dense"):
+        opt.update(0, w, g, state)
+    assert opt.num_update == 0
+    np.testing.assert_array_equal(w.asnumpy(), 1.0)
+
+
+BAD_ARGS = [
+    pytest.param(dict(warmup_strategy='cubic'), ValueError,
+                 r"expected one of \('linear', 'power2', 'sqrt', 'lars'\)", id='strategy'),
+    pytest.param(dict(batch_scale=0), ValueError, 'batch_scale', id='batch_scale-0'),
+    pytest.param(dict(batch_scale=2.5), TypeError, 'batch_scale', id='batch_scale-float'),
+    pytest.param(dict(batch_scale=True), TypeError, 'batch_scale', id='batch_scale-bool'),
+    pytest.param(dict(warmup_epochs=-1), ValueError, 'warmup_epochs', id='warmup_epochs'),
+    pytest.param(dict(updates_per_epoch=0), ValueError, 'updates_per_epoch', id='upe'),
+    pytest.param(dict(lars_eta=0.0), ValueError, 'lars_eta', id='lars_eta'),
+    pytest.param(dict(lars_min=2.0, lars_max=1.0), ValueError, 'lars_min', id='lars_range'),
+    pytest.param(dict(momentum=1.0), ValueError, 'momentum', id='momentum'),
+    pytest.param(dict(lars_exclude=3), TypeError, 'lars_exclude', id='lars_exclude'),
+    pytest.param(dict(fused='yes'), ValueError, 'fused', id='fused'),
+]
+
+
+@pytest.mark.parametrize('kwargs, exc, match', BAD_ARGS)
+def test_bad_arguments_raise_naming_the_parameter(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        mx_lbsgd.LBSGD(**kwargs)
+    with pytest.raises(exc, match=match):
+        mx.optimizer.create('lbsgd', **kwargs)
+
+
+def test_bad_fused_environment_variable(monkeypatch):
+    monkeypatch.setenv('MX_LBSGD_FUSED', 'maybe')
+    with pytest.raises(ValueError, match="MX_LBSGD_FUSED='maybe'"):
+        mx_lbsgd.LBSGD()
+
+
+def test_lars_exclude_from_gluon_param_dict_and_callable():
+    net = mx.gluon.nn.Dense(4, in_units=3)
+    net.initialize(mx.init.Uniform(1.0))
+    params = list(net.collect_params().values())   # weight, bias
+    for exclude, applied in [(None, [True, False]), (['weight'], [False, True]),
+                             (lambda name: True, [False, False])]:
+        opt = mx_lbsgd.LBSGD(warmup_strategy='lars', lars_exclude=exclude)
+        opt.param_dict = dict(enumerate(params))
+        assert [opt._lars_applies(i) for i in range(2)] == applied
