@@ -28,3 +28,29 @@ def run_optimizer(opt, weights, grads, dtype, ctx=mx.cpu()):
         g_nd = [mx.nd.array(g, ctx=ctx, dtype=dtype) for g in step]
         updater(list(range(len(w_nd))), g_nd, w_nd)
     return [w.asnumpy() for w in w_nd], updater, w_nd
+
+
+def digits(test_fraction=0.25, seed=0):
+    """scikit-learn's bundled 8x8 digits: (x_train, y_train, x_test, y_test), x in [0, 1]."""
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.float32)
+    order = np.random.RandomState(seed).permutation(len(x))
+    n_test = int(len(x) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def mlp(hidden=64, seed=0):
+    mx.random.seed(seed)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(hidden, activation='relu', in_units=64),
+            mx.gluon.nn.Dense(10, in_units=hidden))
+    net.initialize(mx.init.Xavier(), ctx=mx.cpu())
+    return net
+
+
+def accuracy(net, x, y):
+    pred = net(mx.nd.array(x)).argmax(axis=1).asnumpy()
+    return float(np.mean(pred == y))
