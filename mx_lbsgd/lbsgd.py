@@ -217,7 +217,7 @@ class LBSGD(mx.optimizer.Optimizer):
                      moms=[parts[j][0] for j in due], masters=[parts[j][1] for j in due],
                      lrs=lrs, wds=wds, momentum=self.momentum,
                      rescale_grad=self.rescale_grad / B, clip_gradient=self.clip_gradient,
-                     fused=self.fused, lars=lars)
+                     fused=self.fused, scratch=self._scratch, lars=lars)
 
     def __getstate__(self):
         state = super().__getstate__()
