@@ -8,12 +8,14 @@ import warnings
 
 import mxnet as mx
 
+from .gluon import LossScaling
 from .lbsgd import LBSGD
+from .loss_scale import DynamicLossScaler, LossScaleStuckError
 from .lr_scheduler import WarmupScheduler
 from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 
 __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
-           'MXNET_LBSGD']
+           'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.

@@ -209,3 +209,41 @@ def sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad, clip
         impl = _multi_tensor_sgd if use_fused(fused, ctx) else _single_tensor_sgd
         impl(momentum=momentum, rescale_grad=rescale_grad, clip_gradient=clip_gradient,
              scratch=scratch, **group)
+
+
+MAX_ARRAYS_PER_FINITE_CHECK = 200   # limit of MXNet's multi_all_finite
+
+
+def all_finite(arrays, fused):
+    """A float32 (1,) array on the first array's context: 1 if every element of every array
+    is finite, else 0. Works across contexts and dtypes; reads nothing back to the host.
+
+    Fused: `multi_all_finite` per (context, dtype) in chunks of 200. Per-tensor (faster on
+    the CPU wheel): `all_finite` per array, each AND-ed into one flag per context.
+    """
+    groups = {}
+    for a in arrays:
+        groups.setdefault((a.context, a.dtype), []).append(a)
+    flags = {}
+    for (ctx, _), group in groups.items():
+        flag = flags.get(ctx)
+        if flag is None:
+            flag = flags[ctx] = nd.ones((1,), ctx=ctx, dtype=np.float32)
+        if use_fused(fused, ctx):
+            for chunk in _chunks(group, MAX_ARRAYS_PER_FINITE_CHECK):
+                nd.multi_all_finite(*chunk, num_arrays=len(chunk), init_output=False, out=flag)
+        else:
+            for a in group:
+                nd.all_finite(a, init_output=False, out=flag)
+    if not flags:
+        return nd.ones((1,), dtype=np.float32)
+    first, *rest = flags.values()
+    for flag in rest:
+        first = nd.minimum(first, flag.as_in_context(first.context))
+    return first
+
+
+def scale_in_place(arrays, factor):
+    """arrays[i] *= factor (unscaling gradients for clipping)."""
+    for a in arrays:
+        a *= factor

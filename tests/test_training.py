@@ -59,6 +59,7 @@ def test_gluon_trainer_learns_digits(params, threshold):
 
 @pytest.mark.parametrize('strategy', ['linear', 'lars'])
 def test_module_fit_learns_digits(strategy):
+    np.random.seed(0)       # NDArrayIter shuffles with numpy's global generator
     mx.random.seed(0)
     data = mx.sym.Variable('data')
     h = mx.sym.Activation(mx.sym.FullyConnected(data, num_hidden=64, name='fc1'), 'relu')
@@ -75,7 +76,8 @@ def test_module_fit_learns_digits(strategy):
                                   updates_per_epoch=len(X) // 32, warmup_epochs=1))
     assert isinstance(mod._optimizer, mx_lbsgd.LBSGD)
     assert mod._optimizer.idx2name      # Module's names reach the LARS exclusion
-    assert dict(mod.score(test, 'acc'))['accuracy'] > 0.93
+    # measured over numpy seeds 0-5: linear 0.958-0.971, lars 0.938-0.956
+    assert dict(mod.score(test, 'acc'))['accuracy'] > (0.92 if strategy == 'lars' else 0.95)
 
 
 @pytest.mark.parametrize('strategy', ['linear', 'lars'])

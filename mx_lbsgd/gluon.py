@@ -1,0 +1,150 @@
+"""Dynamic loss scaling for any `gluon.Trainer` and any optimizer."""
+import warnings
+
+import numpy as np
+import mxnet as mx
+
+from . import _kernels
+from .loss_scale import DynamicLossScaler
+
+
+class LossScaling:
+    """Attach dynamic loss scaling to one or several `gluon.Trainer`s::
+
+        scaling = mx_lbsgd.LossScaling(trainer)          # or [trainer_a, trainer_b]
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+            scaled = scaling.scale_loss(loss)            # loss * scale
+        scaled.backward()
+        scaling.unscale()                                # optional, before clipping
+        scaling.clip_global_norm(1.0)                    # optional, needs unscale()
+        applied = scaling.step(batch_size)               # check, skip or apply, adjust scale
+
+    `step` all-reduces the gradients (Trainer.allreduce_grads), checks every gradient of
+    every trainer on every device on the device, reads one flag back to the host, and then
+    either skips the update (no weight, momentum or master copy changes) or runs
+    Trainer.update with 1/scale folded into the optimizer's rescale_grad, so unscaling costs
+    no extra pass. The scaler is updated once per step, skipped or not. With gradient
+    accumulation (grad_req='add'), call `step` once per update: the scale stays fixed
+    inside the window.
+
+    Differences from MXNet's contrib.amp: any Optimizer, configurable and checkpointable
+    scaler (`scaler.state_dict()`), every device's gradient copy checked, fp16 and fp32
+    gradients mixed, several trainers sharing one scaler.
+
+    Parameters
+    ----------
+    trainers : gluon.Trainer or list of them (each with update_on_kvstore=False)
+    scaler : DynamicLossScaler, float (a static scale) or None (the defaults)
+    force : bool
+        Scale even when no gradient is float16 (otherwise that is a no-op with a warning).
+    fused : None or bool
+        Overflow-check kernels: see `LBSGD(fused=...)`.
+    """
+
+    def __init__(self, trainers, scaler=None, force=False, fused=None):
+        self.trainers = [trainers] if isinstance(trainers, mx.gluon.Trainer) else list(trainers)
+        if not self.trainers or not all(isinstance(t, mx.gluon.Trainer) for t in self.trainers):
+            raise TypeError('trainers must be a gluon.Trainer or a list of them; got %r'
+                            % (trainers,))
+        if scaler is None:
+            scaler = DynamicLossScaler()
+        elif isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
+            scaler = DynamicLossScaler.static(float(scaler))
+        elif not isinstance(scaler, DynamicLossScaler):
+            raise TypeError('scaler must be a DynamicLossScaler, a float or None; got %r'
+                            % (scaler,))
+        self.scaler = scaler
+        self.force = bool(force)
+        self.fused = fused
+        self.last_step_skipped = False
+        self._active = None            # decided on first use, once gradients exist
+        self._reduced = False
+        self._unscaled = False
+
+    @property
+    def scale(self):
+        return self.scaler.scale if self._is_active() else 1.0
+
+    def _params(self):
+        return [p for t in self.trainers for p in t._params if p.grad_req != 'null']
+
+    def _grads(self):
+        return [g for p in self._params() for g in p.list_grad()]
+
+    def _is_active(self):
+        if self._active is None:
+            params = self._params()
+            if not params:
+                return self.scaler.enabled      # deferred init: decide once grads exist
+            fp16 = any(p.dtype == np.float16 for p in params)
+            self._active = self.scaler.enabled and (fp16 or self.force)
+            if self.scaler.enabled and not fp16 and not self.force:
+                warnings.warn('LossScaling: no float16 gradient, so loss scaling is off '
+                              '(pass force=True to scale float32 gradients anyway)')
+        return self._active
+
+    def _prepare(self):
+        for t in self.trainers:
+            if not t._kv_initialized:
+                t._init_kvstore()
+            if t._kvstore and t._update_on_kvstore:
+                raise ValueError('LossScaling needs gluon.Trainer(..., update_on_kvstore=False):'
+                                 ' with update_on_kvstore=True the kvstore updates every '
+                                 'parameter as soon as its gradient arrives, so an overflow '
+                                 'step cannot be skipped as a whole')
+        if not self._reduced:
+            for t in self.trainers:
+                t.allreduce_grads()
+            self._reduced = True
+
+    def scale_loss(self, loss):
+        """loss * scale (a list of losses gives a list)."""
+        scale = self.scale
+        if isinstance(loss, (list, tuple)):
+            return [l * scale for l in loss]
+        return loss * scale
+
+    def unscale(self):
+        """Divide the (all-reduced) gradients by the scale in place, e.g. before clipping."""
+        if self._unscaled:
+            raise RuntimeError('unscale() was already called since the last step()')
+        self._prepare()
+        if self._is_active():
+            _kernels.scale_in_place(self._grads(), 1.0 / self.scaler.scale)
+        self._unscaled = True
+
+    def clip_global_norm(self, max_norm):
+        """Clip the unscaled gradients to a global L2 norm of `max_norm` on each device.
+        Returns the norm (an NDArray on the first device) without a host sync."""
+        if not self._unscaled:
+            raise RuntimeError('call unscale() before clip_global_norm(): the gradients are '
+                               'still multiplied by the loss scale')
+        by_ctx = {}
+        for g in self._grads():
+            by_ctx.setdefault(g.context, []).append(g)
+        norms = [mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)
+                 for grads in by_ctx.values()]
+        return norms[0]
+
+    def step(self, batch_size, ignore_stale_grad=False):
+        """Check, then apply or skip the update, then adjust the scale. True if applied."""
+        self._prepare()
+        if not self._is_active():
+            finite = True
+        else:
+            finite = bool(_kernels.all_finite(self._grads(), self.fused).asscalar())
+        if finite:
+            fold = 1.0 if (self._unscaled or not self._is_active()) else 1.0 / self.scaler.scale
+            for t in self.trainers:
+                saved = t._scale
+                t._scale = saved * fold
+                try:
+                    t.update(batch_size, ignore_stale_grad)
+                finally:
+                    t._scale = saved
+        if self._is_active():
+            self.scaler.update(not finite)
+        self.last_step_skipped = not finite
+        self._reduced = self._unscaled = False
+        return finite
