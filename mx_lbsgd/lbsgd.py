@@ -142,10 +142,11 @@ class LBSGD(mx.optimizer.Optimizer):
     def create_state_multi_precision(self, index, weight):
         if self._uses_master(weight):
             return self._make_state(weight, np.float32, master=weight.astype(np.float32))
+        state = self.create_state(index, weight)
         if weight.dtype == np.float16:
             warnings.warn('Accumulating with float16 in optimizer can lead to poor accuracy '
                           'or slow convergence. Consider multi_precision=True.')
-        return self.create_state(index, weight)
+        return state
 
     def _make_state(self, weight, dtype, master):
         """MXNet SGD's layout: mom, or (mom, weight_fp32); an accumulator goes last."""
