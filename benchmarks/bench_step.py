@@ -9,7 +9,6 @@ Host syncs are counted per step.
     python benchmarks/bench_step.py [--dtypes float32 float16] [--rounds 8] [--json out.json]
 """
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -21,26 +20,7 @@ import numpy as np
 import mxnet as mx
 
 import mx_lbsgd
-
-SYNC_METHODS = [(mx.nd.NDArray, 'asnumpy'), (mx.nd.NDArray, 'asscalar'),
-                (mx.nd.NDArray, 'wait_to_read')]
-
-
-@contextlib.contextmanager
-def count_host_syncs():
-    calls = []
-    originals = [(owner, name, getattr(owner, name)) for owner, name in SYNC_METHODS]
-    for owner, name, original in originals:
-        def counting(*args, _original=original, **kwargs):
-            calls.append(1)
-            return _original(*args, **kwargs)
-        setattr(owner, name, counting)
-    try:
-        yield calls
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
-
+from mx_lbsgd._syncs import count_host_syncs
 
 def resnet50_shapes():
     net = mx.gluon.model_zoo.vision.resnet50_v1()
@@ -111,7 +91,7 @@ class Timed:
         """Time `steps` steps (B=4: micro-steps 2..5 of a window, so update at index 2)."""
         times = []
         for _ in range(4 if self.window == 4 else steps):
-            with count_host_syncs() as calls:
+            with count_host_syncs(include_waitall=False) as calls:
                 start = time.perf_counter()
                 self.updater(*self.args)
                 mx.nd.waitall()

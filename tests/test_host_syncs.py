@@ -1,31 +1,10 @@
 """The fused (GPU) path never reads back to the host; forced here on CPU."""
-import contextlib
-
 import mxnet as mx
 import pytest
 
 import mx_lbsgd
+from mx_lbsgd._syncs import count_host_syncs
 from harness import NAMES, make_problem
-
-SYNCS = [(mx.nd.NDArray, 'asnumpy'), (mx.nd.NDArray, 'asscalar'),
-         (mx.nd.NDArray, 'wait_to_read'), (mx.nd, 'waitall')]
-
-
-@contextlib.contextmanager
-def counting_host_syncs():
-    calls = []
-    originals = [(owner, name, getattr(owner, name)) for owner, name in SYNCS]
-    for owner, name, original in originals:
-        def counting(*args, _original=original, _name=name, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
-        setattr(owner, name, counting)
-    try:
-        yield calls
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
-
 
 def run_steps(opt, dtype, steps):
     weights, grads = make_problem(steps)
@@ -33,7 +12,7 @@ def run_steps(opt, dtype, steps):
     w_nd = [mx.nd.array(w, dtype=dtype) for w in weights]
     g_steps = [[mx.nd.array(g, dtype=dtype) for g in step] for step in grads]
     mx.nd.waitall()
-    with counting_host_syncs() as calls:
+    with count_host_syncs() as calls:
         for g_nd in g_steps:
             updater(list(range(len(w_nd))), g_nd, w_nd)
     mx.nd.waitall()
@@ -56,7 +35,7 @@ def test_fused_path_has_no_host_sync(strategy, batch_scale, dtype, mp):
 
 
 def test_counter_sees_a_sync():
-    with counting_host_syncs() as calls:
+    with count_host_syncs() as calls:
         mx.nd.ones((2,)).asnumpy()
     assert calls == ['asnumpy']
 

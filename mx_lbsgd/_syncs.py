@@ -1,0 +1,25 @@
+"""Counting host syncs (for tests and benchmarks): calls that stop the engine."""
+import contextlib
+
+import mxnet as mx
+
+_METHODS = [(mx.nd.NDArray, 'asnumpy'), (mx.nd.NDArray, 'asscalar'),
+            (mx.nd.NDArray, 'wait_to_read')]
+
+
+@contextlib.contextmanager
+def count_host_syncs(include_waitall=True):
+    """Yields a list that receives the name of every host sync made inside the block."""
+    calls = []
+    targets = _METHODS + ([(mx.nd, 'waitall')] if include_waitall else [])
+    originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
+    for owner, name, original in originals:
+        def counting(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+        setattr(owner, name, counting)
+    try:
+        yield calls
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
