@@ -2,20 +2,23 @@
 
 ``import mx_lbsgd`` registers :class:`LBSGD` as ``'lbsgd'`` (replacing MXNet's own), so
 ``mx.optimizer.create('lbsgd')``, ``gluon.Trainer(params, 'lbsgd')`` and
-``Module.fit(optimizer='lbsgd')`` use it.
+``Module.fit(optimizer='lbsgd')`` use it, and registers :class:`LossScaledSGD` as ``'lssgd'``.
 """
 import warnings
 
 import mxnet as mx
 
+from ._graph_scale import scale_gradient
 from .gluon import LossScaling
 from .lbsgd import LBSGD
+from .lssgd import LossScaledSGD
 from .loss_scale import DynamicLossScaler, LossScaleStuckError
 from .lr_scheduler import WarmupScheduler
 from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 
 __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
-           'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling']
+           'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling',
+           'LossScaledSGD', 'scale_gradient']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.
@@ -24,3 +27,5 @@ MXNET_LBSGD = mx.optimizer.optimizer.LBSGD
 with warnings.catch_warnings():
     warnings.simplefilter('ignore')   # MXNet warns that 'lbsgd' is being overridden
     mx.optimizer.register(LBSGD)
+    mx.optimizer.register(LossScaledSGD)      # as 'losscaledsgd'
+mx.optimizer.Optimizer.opt_registry['lssgd'] = LossScaledSGD

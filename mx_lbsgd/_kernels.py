@@ -82,19 +82,26 @@ def lars_lrs(*, weights, grads, lrs, wds, apply, eta, eps, rescale_grad, lars_mi
     return nd.where(keep, ratio, ones) * lr_vec
 
 
-def accumulate(*, accs, grads, first, scratch):
-    """accs[i] = grads[i] (first micro-batch of a window) or accs[i] += grads[i].
+def accumulate(*, accs, grads, first, scratch, factor=1.0):
+    """accs[i] = factor * grads[i] (first micro-batch of a window) or accs[i] += factor * grads[i].
 
     Accumulators are float32 (or wider); a float16 gradient is cast through `scratch`, a
     dict holding one flat buffer per (context, dtype) that is reused from step to step.
+    `factor` (1/loss scale) is applied in the same pass: `sgd_update` with lr=-1, wd=0 and
+    rescale_grad=factor is an in-place axpy.
     """
     for acc, grad in zip(accs, grads):
         if first:
             nd.Cast(grad, dtype=acc.dtype, out=acc)
-        elif grad.dtype == acc.dtype:
+            if factor != 1.0:
+                nd._internal._mul_scalar(acc, scalar=factor, out=acc)
+            continue
+        if grad.dtype != acc.dtype:
+            grad = _cast_into_scratch(grad, acc.dtype, scratch)
+        if factor == 1.0:
             acc += grad
         else:
-            acc += _cast_into_scratch(grad, acc.dtype, scratch)
+            nd.sgd_update(acc, grad, out=acc, lr=-1.0, wd=0.0, rescale_grad=factor)
 
 
 def _cast_into_scratch(array, dtype, scratch):

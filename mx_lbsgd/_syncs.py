@@ -9,14 +9,21 @@ _METHODS = [(mx.nd.NDArray, 'asnumpy'), (mx.nd.NDArray, 'asscalar'),
 
 @contextlib.contextmanager
 def count_host_syncs(include_waitall=True):
-    """Yields a list that receives the name of every host sync made inside the block."""
+    """Yields a list that receives the name of every host sync made inside the block
+    (the outermost call only: `asscalar` calling `asnumpy` counts once)."""
     calls = []
+    depth = [0]
     targets = _METHODS + ([(mx.nd, 'waitall')] if include_waitall else [])
     originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
     for owner, name, original in originals:
         def counting(*args, _original=original, _name=name, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
+            if not depth[0]:
+                calls.append(_name)
+            depth[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
         setattr(owner, name, counting)
     try:
         yield calls

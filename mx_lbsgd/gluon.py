@@ -5,7 +5,7 @@ import numpy as np
 import mxnet as mx
 
 from . import _kernels
-from .loss_scale import DynamicLossScaler
+from .loss_scale import _as_scaler
 
 
 class LossScaling:
@@ -47,14 +47,12 @@ class LossScaling:
         if not self.trainers or not all(isinstance(t, mx.gluon.Trainer) for t in self.trainers):
             raise TypeError('trainers must be a gluon.Trainer or a list of them; got %r'
                             % (trainers,))
-        if scaler is None:
-            scaler = DynamicLossScaler()
-        elif isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
-            scaler = DynamicLossScaler.static(float(scaler))
-        elif not isinstance(scaler, DynamicLossScaler):
-            raise TypeError('scaler must be a DynamicLossScaler, a float or None; got %r'
-                            % (scaler,))
-        self.scaler = scaler
+        for t in self.trainers:
+            if getattr(t._optimizer, 'loss_scaler', None) is not None:
+                raise ValueError('LossScaling: the optimizer %s already scales the loss '
+                                 '(loss_scaler=%r); use one of the two, not both'
+                                 % (type(t._optimizer).__name__, t._optimizer.loss_scaler))
+        self.scaler = _as_scaler(scaler, 'scaler')
         self.force = bool(force)
         self.fused = fused
         self.last_step_skipped = False
@@ -77,7 +75,7 @@ class LossScaling:
             params = self._params()
             if not params:
                 return self.scaler.enabled      # deferred init: decide once grads exist
-            fp16 = any(p.dtype == np.float16 for p in params)
+            fp16 = any(np.dtype(p.dtype) == np.float16 for p in params)
             self._active = self.scaler.enabled and (fp16 or self.force)
             if self.scaler.enabled and not fp16 and not self.force:
                 warnings.warn('LossScaling: no float16 gradient, so loss scaling is off '

@@ -1,12 +1,15 @@
 """`LBSGD`: large-batch SGD with warmup, LARS, gradient accumulation and fp32 master weights."""
+import sys
 import warnings
 
 import numpy as np
 import mxnet as mx
 from mxnet import nd
 
-from . import _kernels
+from . import _graph_scale, _kernels
 from ._checks import check_choice, check_int, check_real
+from ._step_gate import _StepGate
+from .loss_scale import _as_scaler
 from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 
 DEFAULT_LARS_EXCLUDE = ('bias', 'gamma', 'beta')
@@ -78,12 +81,25 @@ class LBSGD(mx.optimizer.Optimizer):
     fused : None or bool
         Kernel path: None picks fused multi-tensor kernels on GPU and per-tensor kernels on
         CPU (faster there, as measured); ``$MX_LBSGD_FUSED=0/1`` overrides None.
+    loss_scaler : None, float or DynamicLossScaler
+        None: no loss scaling. Otherwise the gradients carry ``loss_scaler.scale`` (scale the
+        loss by it before ``backward()``): each step is checked for inf/NaN over all its
+        gradients (one host read), skipped as a whole on overflow, and unscaled inside the
+        update kernel (``rescale_grad / scale``); ``loss_scaler.update`` runs once per step.
+        With ``batch_scale > 1`` every micro-batch is a loss-scaling step and is unscaled as
+        it is accumulated, so the scale may change inside a window.
+    count_skipped_steps : bool, default False
+        Whether a skipped step advances ``num_update`` (what ``lr_scheduler`` sees). Warmup
+        and accumulation counters never advance on a skipped step.
+    scale_key : str, default 'default'
+        Name under which ``loss_scaler`` serves :func:`mx_lbsgd.scale_gradient` ops (Module).
     """
 
     def __init__(self, momentum=0.0, multi_precision=False, warmup_strategy='linear',
                  warmup_epochs=5, batch_scale=1, updates_per_epoch=32, begin_epoch=0,
                  num_epochs=60, lars_eta=0.001, lars_eps=0.0, lars_min=0.0,
-                 lars_max=float('inf'), lars_exclude=None, fused=None, **kwargs):
+                 lars_max=float('inf'), lars_exclude=None, fused=None, loss_scaler=None,
+                 count_skipped_steps=False, scale_key='default', **kwargs):
         check_real('momentum', momentum, 0.0, 1.0, open_max=True)
         check_choice('warmup_strategy', warmup_strategy, WARMUP_STRATEGIES)
         check_real('warmup_epochs', warmup_epochs, 0.0)
@@ -107,6 +123,10 @@ class LBSGD(mx.optimizer.Optimizer):
             raise ValueError('fused=%r is not supported; expected one of (None, True, False)'
                              % (fused,))
         _kernels.use_fused(fused, mx.cpu())     # validates $MX_LBSGD_FUSED
+        if loss_scaler is not None:
+            loss_scaler = _as_scaler(loss_scaler)
+            _refuse_kvstore_updates(type(self).__name__)
+        self._gate = _StepGate(fused)
         super().__init__(multi_precision=multi_precision, **kwargs)
         self.momentum = float(momentum)
         self.warmup_strategy = warmup_strategy
@@ -127,6 +147,27 @@ class LBSGD(mx.optimizer.Optimizer):
         # The Updater hands over every parameter of a dtype at once; kernels chunk by 60.
         self.aggregate_num = 1 << 30
         self._scratch = {}
+        self.loss_scaler = loss_scaler
+        self.count_skipped_steps = bool(count_skipped_steps)
+        self.scale_key = str(scale_key)
+        if loss_scaler is not None:
+            _graph_scale.serve(self.scale_key, loss_scaler)
+        self.last_step_skipped = False
+        self._skipped_updates = 0
+        self._kvstore_refusal = None
+
+    @property
+    def rescale_grad(self):
+        return self._rescale_grad
+
+    @rescale_grad.setter
+    def rescale_grad(self, value):
+        # gluon.Trainer sets rescale_grad at the start of every step and update.
+        if self.__dict__.get('_kvstore_refusal'):
+            raise ValueError(self._kvstore_refusal)
+        self._rescale_grad = value
+        if '_gate' in self.__dict__:
+            self._gate.new_step()
 
     # -- state -------------------------------------------------------------------------
     def _uses_master(self, weight):
@@ -140,6 +181,7 @@ class LBSGD(mx.optimizer.Optimizer):
         return self._make_state(weight, weight.dtype, master=None)
 
     def create_state_multi_precision(self, index, weight):
+        self._gate.created((weight.context, index))
         if self._uses_master(weight):
             return self._make_state(weight, np.float32, master=weight.astype(np.float32))
         state = self.create_state(index, weight)
@@ -188,6 +230,52 @@ class LBSGD(mx.optimizer.Optimizer):
                 raise TypeError("LBSGD supports only dense ('default') weights and gradients;"
                                 " parameter %s has weight stype %r, gradient stype %r"
                                 % (self._name(i), w.stype, g.stype))
+        if self.loss_scaler is None:
+            self._apply(index, weight, grad, state, unscale=1.0)
+            return
+        if self._updates_on_kvstore(index, weight):
+            return
+        runs = self._gate.submit([(w.context, i) for i, w in zip(index, weight)], grad,
+                                 (index, weight, grad, state), self.loss_scaler,
+                                 self._reachable_grads)
+        for call, apply_ in runs:
+            self.last_step_skipped = not apply_
+            if apply_:
+                self._apply(*call, unscale=1.0 / self._gate.scale)
+        if runs and self._gate.skip and self.count_skipped_steps and not self._gate.counted:
+            self._gate.counted = True
+            self._skipped_updates += 1
+            self.num_update += 1
+
+    def _reachable_grads(self):
+        """All fresh gradients of a gluon Trainer's parameters, on every device."""
+        grads = []
+        for param in self.param_dict.values():
+            if param.grad_req == 'null' or param._data is None:
+                continue
+            grads += [g for d, g in zip(param.list_data(), param.list_grad()) if d._fresh_grad]
+        return grads
+
+    def _updates_on_kvstore(self, index, weight):
+        """Detects a kvstore updating key by key (update_on_kvstore=True), where a step
+        cannot be skipped as a whole; refuses it and skips every such update."""
+        if self._kvstore_refusal is None:
+            by_kvstore = any(isinstance(i, str) for i in index) or any(
+                i in self.param_dict and self.param_dict[i]._data is not None
+                and all(_handle(w) != _handle(d) for d in self.param_dict[i].list_data())
+                for i, w in zip(index, weight))
+            if not by_kvstore:
+                return False
+            self._kvstore_refusal = _KVSTORE_REFUSAL % type(self).__name__
+        raise ValueError(self._kvstore_refusal)
+
+    def _update_count(self, index):
+        super()._update_count(index)
+        if self._skipped_updates:
+            top = max(self._index_update_count[i] for i in index)
+            self.num_update = max(self.num_update, top + self._skipped_updates)
+
+    def _apply(self, index, weight, grad, state, unscale):
         self._update_count(index)
         B = self.batch_scale
         steps = [self._index_update_count[i] - self.begin_num_update for i in index]
@@ -198,7 +286,7 @@ class LBSGD(mx.optimizer.Optimizer):
                 if pick:
                     _kernels.accumulate(accs=[parts[j][2] for j in pick],
                                         grads=[grad[j] for j in pick], first=first,
-                                        scratch=self._scratch)
+                                        scratch=self._scratch, factor=unscale)
         due = [j for j, k in enumerate(steps) if k % B == 0]
         if not due:
             return
@@ -217,10 +305,57 @@ class LBSGD(mx.optimizer.Optimizer):
                      grads=[grad[j] if B == 1 else parts[j][2] for j in due],
                      moms=[parts[j][0] for j in due], masters=[parts[j][1] for j in due],
                      lrs=lrs, wds=wds, momentum=self.momentum,
-                     rescale_grad=self.rescale_grad / B, clip_gradient=self.clip_gradient,
+                     rescale_grad=self.rescale_grad * (unscale if B == 1 else 1.0 / B),
+                     clip_gradient=self.clip_gradient,
                      fused=self.fused, scratch=self._scratch, lars=lars)
 
     def __getstate__(self):
         state = super().__getstate__()
         state['_scratch'] = {}
+        state['_gate'] = _StepGate(self.fused)
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.loss_scaler is not None:
+            _graph_scale.serve(self.scale_key, self.loss_scaler)
+
+    def __reduce_ex__(self, protocol):
+        # kvstore.set_optimizer pickles with protocol 0 to send the optimizer to the
+        # servers of a dist kvstore, which then update key by key.
+        if protocol == 0 and self.loss_scaler is not None:
+            raise ValueError(_KVSTORE_REFUSAL % type(self).__name__)
+        return super().__reduce_ex__(protocol)
+
+
+_KVSTORE_REFUSAL = (
+    '%s with a loss_scaler cannot run with update_on_kvstore=True: the kvstore updates '
+    'each parameter as soon as its gradient arrives, so an overflow step cannot be skipped '
+    'as a whole. Use gluon.Trainer(..., update_on_kvstore=False), or for Module set the '
+    'environment variable MXNET_UPDATE_ON_KVSTORE=0')
+
+
+def _handle(array):
+    return array.handle.value
+
+
+def _refuse_kvstore_updates(name):
+    """Refuse update_on_kvstore=True where the optimizer is created: in Module.init_optimizer
+    (which decides it first) or in gluon.Trainer(update_on_kvstore=True). Later, inside the
+    kvstore's updater callback, ctypes would swallow the exception."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return
+        local = frame.f_locals
+        owner = local.get('self')
+        if (frame.f_code.co_name == 'init_optimizer' and isinstance(owner, mx.module.BaseModule)
+                and 'update_on_kvstore' in local):
+            if local['update_on_kvstore'] and local.get('kvstore') is not None:
+                raise ValueError(_KVSTORE_REFUSAL % name)
+            return
+        if frame.f_code.co_name == '__init__' and isinstance(owner, mx.gluon.Trainer):
+            if local.get('update_on_kvstore'):
+                raise ValueError(_KVSTORE_REFUSAL % name)
+            return

@@ -180,3 +180,15 @@ class DynamicLossScaler:
         """A fixed scale that still skips overflow steps."""
         return cls(init_scale=scale, min_scale=min(1.0, scale), max_scale=max(scale, 2.0 ** 24),
                    dynamic=False)
+
+
+def _as_scaler(value, name='loss_scaler'):
+    """A DynamicLossScaler from an instance, a float (static scale) or None (defaults)."""
+    if value is None:
+        return DynamicLossScaler()
+    if isinstance(value, DynamicLossScaler):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return DynamicLossScaler.static(float(value))
+    raise TypeError('%s must be a DynamicLossScaler, a float (static scale) or None; got %r'
+                    % (name, value))

@@ -1,0 +1,70 @@
+"""`scale_gradient`: dynamic loss scaling inside a symbolic graph (Module.fit).
+
+A loss layer's `grad_scale` is fixed when the executor is bound, so a dynamic scale enters
+the graph through a custom operator: the identity in forward; in backward it multiplies
+the incoming gradient by the current scale of the loss scaler served under its key. A
+loss-scaled optimizer (`'lssgd'`, `LBSGD(loss_scaler=...)`) serves its scaler under
+`scale_key` when it is created or unpickled. Backward runs before the optimizer reads the
+overflow flag and updates the scale, so the scale a step's gradients carry is the scale the
+optimizer divides by.
+"""
+import mxnet as mx
+
+_OP_TYPE = 'mx_lbsgd_scale_gradient'
+_SCALERS = {}
+
+
+def serve(key, scaler):
+    _SCALERS[key] = scaler
+
+
+def scale_gradient(data, key='default', name=None):
+    """Identity in forward; multiplies the gradient by the loss scale in backward.
+
+    Put it on the network's output, before the loss layer::
+
+        net = mx_lbsgd.scale_gradient(net)
+        net = mx.sym.SoftmaxOutput(net, name='softmax')
+        mod.fit(train, optimizer='lssgd', optimizer_params={'loss_scaler': scaler, ...})
+    """
+    kwargs = {} if name is None else {'name': name}
+    return mx.sym.Custom(data, op_type=_OP_TYPE, key=key, **kwargs)
+
+
+class _ScaleGradient(mx.operator.CustomOp):
+    def __init__(self, key):
+        super().__init__()
+        self.key = key
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        scaler = _SCALERS.get(self.key)
+        if scaler is None:
+            raise RuntimeError("scale_gradient(key=%r): no loss-scaled optimizer serves this "
+                               "key; create one (e.g. Module.fit(optimizer='lssgd')) before "
+                               "training" % self.key)
+        self.assign(in_grad[0], req[0], out_grad[0] * scaler.scale)
+
+
+@mx.operator.register(_OP_TYPE)
+class _ScaleGradientProp(mx.operator.CustomOpProp):
+    def __init__(self, key='default'):
+        super().__init__(need_top_grad=True)
+        self.key = key
+
+    def list_arguments(self):
+        return ['data']
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def infer_type(self, in_type):
+        return in_type, [in_type[0]], []
+
+    def declare_backward_dependency(self, out_grad, in_data, out_data):
+        return [out_grad[0]]
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _ScaleGradient(self.key)

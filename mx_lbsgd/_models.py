@@ -1,0 +1,39 @@
+"""Small models for the digits demos, in float32 or float16.
+
+MXNet's CPU wheel has no float16 FullyConnected, so a float16 `Dense` here keeps float16
+parameters and float16 activations and casts them to float32 around the matrix product
+only. Cast's backward casts the gradients back to float16, so weight and activation
+gradients are float16 and underflow exactly as they would on a GPU.
+"""
+import mxnet as mx
+from mxnet import gluon
+
+
+class _Dense(gluon.HybridBlock):
+    def __init__(self, units, in_units, activation=None, dtype='float32', init=None, **kwargs):
+        super().__init__(**kwargs)
+        self._activation = activation
+        with self.name_scope():
+            self.weight = self.params.get('weight', shape=(units, in_units), dtype=dtype,
+                                          init=init)
+            self.bias = self.params.get('bias', shape=(units,), dtype=dtype, init='zeros')
+
+    def hybrid_forward(self, F, x, weight, bias):
+        dtype = 'float32'
+        out = F.FullyConnected(F.cast(x, dtype), F.cast(weight, dtype), F.cast(bias, dtype),
+                               num_hidden=weight.shape[0] if hasattr(weight, 'shape') else 0)
+        out = F.cast(out, 'float16') if self.weight.dtype == 'float16' else out
+        return F.Activation(out, self._activation) if self._activation else out
+
+
+def mlp(hidden=(64,), in_units=64, classes=10, dtype='float32', init=None, seed=0):
+    """An MLP whose parameters and activations are `dtype`; logits come out as float32."""
+    mx.random.seed(seed)
+    net = gluon.nn.HybridSequential()
+    sizes = [in_units] + list(hidden)
+    with net.name_scope():
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            net.add(_Dense(b, a, 'relu', dtype, init))
+        net.add(_Dense(classes, sizes[-1], None, dtype, init))
+    net.initialize(init or mx.init.Xavier(), ctx=mx.cpu())
+    return net

@@ -1,0 +1,52 @@
+"""`LossScaledSGD` ('lssgd'): SGD with dynamic loss scaling built into the optimizer."""
+from .lbsgd import LBSGD
+from .loss_scale import _as_scaler
+
+
+class LossScaledSGD(LBSGD):
+    """SGD with momentum, weight decay and fp32 master weights, for loss-scaled gradients
+    (registered as ``'lssgd'``). Each step::
+
+        scale = loss_scaler.scale               # the scale the loss was multiplied by
+        finite = all gradients of the step (every device, every dtype) are finite
+        loss_scaler.update(not finite)          # once per step: grow, back off, count
+        if not finite:
+            return                              # nothing changes, num_update included
+        mom = momentum * mom - lr * (clip(rescale_grad / scale * g, clip_gradient) + wd * w)
+        w = w + mom                             # w: the fp32 master copy with multi_precision
+
+    The overflow check runs on the device and reads one flag back per step; the unscaling
+    is folded into the update kernel's ``rescale_grad`` (the fp32 kernels unscale fp16
+    gradients in fp32). Scale the loss by ``optimizer.loss_scaler.scale`` before
+    ``backward()`` (Gluon), or put :func:`mx_lbsgd.scale_gradient` in the symbol (Module).
+
+    Loss scaling: Micikevicius et al., "Mixed Precision Training" (2018),
+    https://arxiv.org/abs/1710.03740. Compared with MXNet's ``contrib.amp``: the scaler is
+    configurable (:class:`DynamicLossScaler`), pickled with the optimizer (so
+    ``Trainer.save_states`` keeps it), works with Module, checks every device's gradients
+    and mixed fp16/fp32 parameters, and skips a step as a whole. Compared with PyTorch's
+    ``GradScaler``: the scaler lives in the optimizer, so ``trainer.step`` does everything.
+    It is :class:`LBSGD` without warmup, LARS or accumulation (use ``LBSGD(loss_scaler=...)``
+    for those); the update equals ``mx.optimizer.SGD`` when no step overflows.
+
+    Parameters (besides those of ``mx.optimizer.Optimizer``)
+    ----------
+    momentum : float in [0, 1)
+    multi_precision : bool
+    loss_scaler : DynamicLossScaler, float (static scale) or None (the defaults: 2**16,
+        growth 2 every 2000 finite steps, backoff 0.5)
+    count_skipped_steps : bool, default False
+        Whether skipped steps advance ``num_update`` (and so ``lr_scheduler``).
+    scale_key : str, default 'default'
+        Name under which ``loss_scaler`` serves :func:`mx_lbsgd.scale_gradient` ops.
+    fused : None or bool
+        Kernel path, as in :class:`LBSGD`.
+    """
+
+    def __init__(self, momentum=0.0, multi_precision=False, loss_scaler=None,
+                 count_skipped_steps=False, scale_key='default', fused=None, **kwargs):
+        super().__init__(momentum=momentum, multi_precision=multi_precision,
+                         warmup_strategy='linear', warmup_epochs=0, batch_scale=1,
+                         loss_scaler=_as_scaler(loss_scaler), fused=fused,
+                         count_skipped_steps=count_skipped_steps, scale_key=scale_key,
+                         **kwargs)
