@@ -147,6 +147,7 @@ class LBSGD(mx.optimizer.Optimizer):
         # The Updater hands over every parameter of a dtype at once; kernels chunk by 60.
         self.aggregate_num = 1 << 30
         self._scratch = {}
+        self._ledger = _Ledger(self)
         self.loss_scaler = loss_scaler
         self.count_skipped_steps = bool(count_skipped_steps)
         self.scale_key = str(scale_key)
@@ -191,21 +192,54 @@ class LBSGD(mx.optimizer.Optimizer):
         return state
 
     def _make_state(self, weight, dtype, master):
-        """MXNet SGD's layout: mom, or (mom, weight_fp32); an accumulator goes last."""
+        """MXNet SGD's layout (mom, or mom and weight_fp32), then an accumulator when
+        batch_scale > 1, then the optimizer's `_Ledger` (see there)."""
         mom = (nd.zeros(weight.shape, weight.context, dtype=dtype)
                if self.momentum != 0.0 else None)
         parts = [mom] if master is None else [mom, master]
         if self.batch_scale > 1:
             acc_dtype = np.promote_types(weight.dtype, np.float32)
             parts.append(nd.zeros(weight.shape, weight.context, dtype=acc_dtype))
-        return parts[0] if len(parts) == 1 else tuple(parts)
+        return tuple(parts) + (self._ledger,)
 
     def _split_state(self, weight, state):
-        """(momentum, master copy or None, accumulator or None) from a state."""
+        """(momentum, master copy or None, accumulator or None, ledger or None).
+
+        Also reads MXNet's SGD / LBSGD layout (a momentum, or (momentum, weight_fp32)),
+        e.g. states saved by MXNet's built-in LBSGD."""
+        ledger = None
+        if isinstance(state, tuple) and state and isinstance(state[-1], _Ledger):
+            ledger, state = state[-1], state[:-1]
+        elif not isinstance(state, tuple):
+            state = (state,)
         master = self._uses_master(weight)
-        if self.batch_scale == 1:
-            return (state[0], state[1], None) if master else (state, None, None)
-        return (state[0], state[1], state[2]) if master else (state[0], None, state[1])
+        want = 1 + master + (self.batch_scale > 1)
+        if len(state) != want or (state[0] is None) != (self.momentum == 0.0):
+            raise ValueError(
+                'optimizer state of shape %s does not fit %s(momentum=%g, multi_precision=%s, '
+                'batch_scale=%d): it holds %d arrays (momentum %s), this optimizer needs %d. '
+                'States written by MXNet\'s built-in LBSGD/SGD load with batch_scale=1 and the '
+                'same momentum and multi_precision; otherwise start from fresh optimizer '
+                'states (skip load_states / load_optimizer_states)'
+                % (weight.shape, type(self).__name__, self.momentum, self.multi_precision,
+                   self.batch_scale, len(state), 'absent' if state[0] is None else 'present',
+                   want))
+        return (state[0], state[1] if master else None,
+                state[-1] if self.batch_scale > 1 else None, ledger)
+
+    def _adopt(self, ledger):
+        """Take over the counters and loss-scaler state carried by states that were saved
+        without the optimizer (Module.save_optimizer_states) and loaded into this one."""
+        old = ledger.opt
+        current = next((k for k, v in self._all_index_update_counts.items()
+                        if v is self._index_update_count), 0)
+        self._all_index_update_counts = old._all_index_update_counts
+        self._index_update_count = self._all_index_update_counts.setdefault(current, {})
+        self.num_update = old.num_update
+        self._skipped_updates = old._skipped_updates
+        if self.loss_scaler is not None and old.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(old.loss_scaler.state_dict())
+        ledger.opt = self
 
     # -- update ------------------------------------------------------------------------
     def _name(self, index):
@@ -230,6 +264,9 @@ class LBSGD(mx.optimizer.Optimizer):
                 raise TypeError("LBSGD supports only dense ('default') weights and gradients;"
                                 " parameter %s has weight stype %r, gradient stype %r"
                                 % (self._name(i), w.stype, g.stype))
+        last = state[0][-1] if isinstance(state[0], tuple) and state[0] else None
+        if isinstance(last, _Ledger) and last.opt is not self:
+            self._adopt(last)
         if self.loss_scaler is None:
             self._apply(index, weight, grad, state, unscale=1.0)
             return
@@ -326,6 +363,16 @@ class LBSGD(mx.optimizer.Optimizer):
         if protocol == 0 and self.loss_scaler is not None:
             raise ValueError(_KVSTORE_REFUSAL % type(self).__name__)
         return super().__reduce_ex__(protocol)
+
+
+class _Ledger:
+    """One per optimizer, the last element of every state it creates. MXNet's Module saves
+    the states without the optimizer; through this reference the pickled states carry the
+    optimizer (its warmup/accumulation counters, num_update and loss-scaler state), which
+    the optimizer that loads them adopts at its next update."""
+
+    def __init__(self, opt):
+        self.opt = opt
 
 
 _KVSTORE_REFUSAL = (
