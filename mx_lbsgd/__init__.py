@@ -8,6 +8,7 @@ import warnings
 
 import mxnet as mx
 
+from . import checkpoint
 from ._graph_scale import scale_gradient
 from .gluon import LossScaling
 from .lbsgd import LBSGD
@@ -18,7 +19,7 @@ from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 
 __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
            'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling',
-           'LossScaledSGD', 'scale_gradient']
+           'LossScaledSGD', 'scale_gradient', 'checkpoint']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.

@@ -18,6 +18,10 @@ def serve(key, scaler):
     _SCALERS[key] = scaler
 
 
+def served(key, default=None):
+    return _SCALERS.get(key, default)
+
+
 def scale_gradient(data, key='default', name=None):
     """Identity in forward; multiplies the gradient by the loss scale in backward.
 

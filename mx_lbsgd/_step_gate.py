@@ -39,6 +39,7 @@ class _StepGate:
         self.skip = None          # None: this step is not decided yet
         self.counted = False      # whether a skipped step was counted in num_update
         self.scale = 1.0          # the loss scale this step's gradients carry
+        self.scale_override = None
 
     def created(self, key):
         self._awaiting.add(key)
@@ -89,7 +90,8 @@ class _StepGate:
         return runs
 
     def _decide(self, grads, scaler):
-        self.scale = scaler.scale
+        self.scale = self.scale_override or scaler.scale
+        self.scale_override = None
         if not scaler.enabled:
             self.skip = False
             return

@@ -238,7 +238,12 @@ class LBSGD(mx.optimizer.Optimizer):
         self.num_update = old.num_update
         self._skipped_updates = old._skipped_updates
         if self.loss_scaler is not None and old.loss_scaler is not None:
+            # this step's gradients carry the scale served to scale_gradient ops when the
+            # backward ran (unpickling the states served the saved scaler)
+            self._gate.scale_override = _graph_scale.served(self.scale_key,
+                                                            self.loss_scaler).scale
             self.loss_scaler.load_state_dict(old.loss_scaler.state_dict())
+            _graph_scale.serve(self.scale_key, self.loss_scaler)   # unpickling served old's
         ledger.opt = self
 
     # -- update ------------------------------------------------------------------------

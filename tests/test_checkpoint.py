@@ -1,0 +1,163 @@
+"""Checkpoints: atomic saves, resume bit for bit (Trainer and Module), bad files."""
+import os
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+import mx_lbsgd
+from mx_lbsgd import checkpoint
+from harness import digits, mlp
+
+X, Y, XT, YT = digits()
+STEPS = 8
+
+OPTIMIZERS = [
+    pytest.param('lbsgd', dict(warmup_strategy='linear', warmup_epochs=1, updates_per_epoch=6,
+                               batch_scale=2), id='lbsgd-linear-B2'),
+    pytest.param('lbsgd', dict(warmup_strategy='lars'), id='lbsgd-lars'),
+    pytest.param('lssgd', dict(loss_scaler=mx_lbsgd.DynamicLossScaler(
+        init_scale=2.0 ** 4, growth_interval=3)), id='lssgd'),
+]
+
+
+def gluon_steps(net, trainer, begin, end):
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    scaler = getattr(trainer._optimizer, 'loss_scaler', None)
+    for step in range(begin, end):
+        x, y = nd.array(X[step * 32:(step + 1) * 32]), nd.array(Y[step * 32:(step + 1) * 32])
+        with autograd.record():
+            loss = loss_fn(net(x), y) * (scaler.scale if scaler else 1.0)
+        loss.backward()
+        trainer.step(32)
+
+
+def fresh_trainer(name, params):
+    import copy
+    net = mlp()
+    return net, gluon.Trainer(net.collect_params(), name, dict(
+        learning_rate=0.1, momentum=0.9, wd=1e-4, **copy.deepcopy(params)), kvstore=None)
+
+
+@pytest.mark.parametrize('name, params', OPTIMIZERS)
+def test_trainer_resume_bit_identical(tmp_path, name, params):
+    net_a, trainer_a = fresh_trainer(name, params)
+    gluon_steps(net_a, trainer_a, 0, STEPS)
+    net_b, trainer_b = fresh_trainer(name, params)
+    gluon_steps(net_b, trainer_b, 0, STEPS // 2 + 1)     # inside an accumulation window
+    path = str(tmp_path / 'trainer.states')
+    checkpoint.save_states(trainer_b, path)
+    net_b.save_parameters(str(tmp_path / 'net.params'))
+    net_c, trainer_c = fresh_trainer(name, params)
+    net_c.load_parameters(str(tmp_path / 'net.params'))
+    checkpoint.load_states(trainer_c, path)
+    gluon_steps(net_c, trainer_c, STEPS // 2 + 1, STEPS)
+    for a, c in zip(net_a.collect_params().values(), net_c.collect_params().values()):
+        np.testing.assert_array_equal(a.data().asnumpy(), c.data().asnumpy())
+    if name == 'lssgd':
+        assert (trainer_c._optimizer.loss_scaler.state_dict()
+                == trainer_a._optimizer.loss_scaler.state_dict())
+
+
+def module(name, params):
+    import copy
+    data = mx.sym.Variable('data')
+    h = mx.sym.Activation(mx.sym.FullyConnected(data, num_hidden=32, name='fc1'), 'relu')
+    out = mx.sym.FullyConnected(h, num_hidden=10, name='fc2')
+    if name == 'lssgd':
+        out = mx_lbsgd.scale_gradient(out)
+    mod = mx.mod.Module(mx.sym.SoftmaxOutput(out, name='softmax'), context=mx.cpu())
+    train = mx.io.NDArrayIter(X[:640], Y[:640], batch_size=64, label_name='softmax_label')
+    mod.bind(train.provide_data, train.provide_label)
+    mx.random.seed(0)
+    mod.init_params(mx.init.Xavier())
+    mod.init_optimizer(optimizer=name, optimizer_params=dict(
+        learning_rate=0.1, momentum=0.9, wd=1e-4, rescale_grad=1 / 64.,
+        **copy.deepcopy(params)))
+    return mod, train
+
+
+@pytest.mark.parametrize('name, params', OPTIMIZERS)
+@pytest.mark.parametrize('loader', ['mx_lbsgd', 'mxnet'])
+def test_module_save_checkpoint_resumes_bit_identical(tmp_path, name, params, loader):
+    mod_a, train = module(name, params)
+    mod_a.fit(train, num_epoch=3)
+    mod_b, train = module(name, params)
+    prefix = str(tmp_path / 'run')
+    mod_b.fit(train, num_epoch=1,
+              epoch_end_callback=lambda epoch, *_: checkpoint.save_checkpoint(
+                  mod_b, prefix, epoch + 1))
+    assert sorted(os.listdir(tmp_path)) == ['run-0001.params', 'run-0001.states',
+                                            'run-symbol.json']
+    mod_c, train = module(name, params)
+    mod_c.load_params(prefix + '-0001.params')
+    if loader == 'mxnet':       # Module's own loader: counters adopted at the next update
+        mod_c.load_optimizer_states(prefix + '-0001.states')
+    else:
+        checkpoint.load_states(mod_c, prefix + '-0001.states')
+    mod_c.fit(train, num_epoch=3, begin_epoch=1)
+    for key, value in mod_a.get_params()[0].items():
+        np.testing.assert_array_equal(mod_c.get_params()[0][key].asnumpy(), value.asnumpy())
+    assert mod_c._optimizer.num_update == mod_a._optimizer.num_update
+    if name == 'lssgd':
+        assert (mod_c._optimizer.loss_scaler.state_dict()
+                == mod_a._optimizer.loss_scaler.state_dict())
+
+
+def test_truncated_or_corrupted_file_gives_clear_error(tmp_path):
+    net, trainer = fresh_trainer('lbsgd', {})
+    gluon_steps(net, trainer, 0, 2)
+    path = str(tmp_path / 'trainer.states')
+    checkpoint.save_states(trainer, path)
+    blob = open(path, 'rb').read()
+    open(path, 'wb').write(blob[:len(blob) // 2])
+    with pytest.raises(ValueError, match='truncated or corrupted'):
+        checkpoint.load_states(trainer, path)
+    open(path, 'wb').write(b'not a pickle at all')
+    with pytest.raises(ValueError, match='truncated or corrupted'):
+        checkpoint.load_states(trainer, path)
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    net, trainer = fresh_trainer('lbsgd', {})
+    gluon_steps(net, trainer, 0, 2)
+    path = str(tmp_path / 'trainer.states')
+    checkpoint.save_states(trainer, path)
+    before = open(path, 'rb').read()
+
+    def dies_mid_write(fname):
+        with open(fname, 'wb') as f:
+            f.write(before[:100])
+        raise KeyboardInterrupt('killed mid-save')
+    monkeypatch.setattr(trainer, 'save_states', dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_states(trainer, path)
+    assert open(path, 'rb').read() == before
+    assert os.listdir(tmp_path) == ['trainer.states']       # no temporary file left
+
+
+@pytest.mark.parametrize('batch_scale, works', [
+    pytest.param(1, True, id='same-layout-works'),
+    pytest.param(2, False, id='accumulation-fails-clearly'),
+])
+def test_states_from_mxnet_builtin_lbsgd(tmp_path, batch_scale, works):
+    net = mlp()
+    old = gluon.Trainer(net.collect_params(), mx_lbsgd.MXNET_LBSGD(
+        learning_rate=0.1, momentum=0.9), kvstore=None)
+    gluon_steps(net, old, 0, 2)
+    path = str(tmp_path / 'builtin.states')
+    old.save_states(path)
+    trainer = gluon.Trainer(net.collect_params(), 'lbsgd', dict(
+        learning_rate=0.1, momentum=0.9, batch_scale=batch_scale), kvstore=None)
+    checkpoint.load_states(trainer, path)
+    assert isinstance(trainer._optimizer, mx_lbsgd.LBSGD)
+    mom = trainer._updaters[0].states[0].asnumpy()
+    if works:
+        gluon_steps(net, trainer, 2, 4)
+        assert not np.array_equal(trainer._updaters[0].states[0][0].asnumpy()
+                                  if isinstance(trainer._updaters[0].states[0], tuple)
+                                  else trainer._updaters[0].states[0].asnumpy(), mom)
+    else:
+        with pytest.raises(ValueError, match='batch_scale=1'):
+            gluon_steps(net, trainer, 2, 3)
