@@ -45,8 +45,9 @@ def digits(test_fraction=0.25, seed=0):
 def mlp(hidden=64, seed=0):
     mx.random.seed(seed)
     net = mx.gluon.nn.HybridSequential()
-    net.add(mx.gluon.nn.Dense(hidden, activation='relu', in_units=64),
-            mx.gluon.nn.Dense(10, in_units=hidden))
+    with net.name_scope():    # stable relative names: the Trainer orders parameters by name
+        net.add(mx.gluon.nn.Dense(hidden, activation='relu', in_units=64),
+                mx.gluon.nn.Dense(10, in_units=hidden))
     net.initialize(mx.init.Xavier(), ctx=mx.cpu())
     return net
 

@@ -1,0 +1,305 @@
+"""Run an MXNet parameter-server (``dist_sync``) job on this machine.
+
+MXNet 1.9.1's ``tools/launch.py`` needs the dmlc tracker, which the wheel lacks. This
+launcher starts one scheduler, S servers and N workers on the loopback interface::
+
+    mx-lbsgd launch -n 2 -s 1 -- python train.py --epochs 3
+    python -m mx_lbsgd.launch -n 2 -s 1 -- python train.py --epochs 3
+
+Every process gets ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI=127.0.0.1``, ``DMLC_PS_ROOT_PORT``,
+``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER`` and ``DMLC_NODE_HOST=127.0.0.1``, plus
+``MX_LBSGD_ROLE`` and ``MX_LBSGD_RANK`` (the launcher's index of the process within its
+role). ``MX_LBSGD_RANK`` labels the output only: the scheduler hands out ``kv.rank`` in the
+order the workers connect, so use ``kv.rank`` to shard data. ``OMP_NUM_THREADS=1`` and
+``PYTHONUNBUFFERED=1`` are set unless already set. Workers run the command; the scheduler
+and servers run this interpreter with ``mx_lbsgd`` imported before they enter the server
+loop, so a pickled ``mx_lbsgd`` optimizer (``kv.set_optimizer``) loads there; a server
+that cannot load the optimizer exits with status 1 (MXNet would go on summing gradients).
+The optimizer's class must be importable there: not defined in the worker's ``__main__``.
+
+Output lines are prefixed ``[worker 0]``, ``[server 0]``, ``[scheduler]`` (launcher messages
+``[launch]``). Exit status: 0 when every worker exits 0 (servers and scheduler then stop by
+themselves; any still running after a few seconds are stopped); otherwise the status of the
+first process to fail, 128 + N for a process killed by signal N, and the launcher stops all
+the others at once (SIGTERM to each process group, SIGKILL 3 s later), so a job whose
+survivors wait forever in a ps-lite barrier still ends. 124 when ``--timeout`` expires, 130
+on Ctrl-C, 143 on SIGTERM, 2 for bad arguments or a port already in use.
+"""
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+_GRACE = 3.0          # seconds between SIGTERM and SIGKILL
+_LINGER = 5.0         # seconds servers/scheduler get to exit after the workers succeed
+_POLL = 0.05
+
+# Imported as a worker so that mxnet and mx_lbsgd load completely (with DMLC_ROLE=server,
+# ``import mxnet`` enters the server loop half-way through: kvstore_server.py), then the
+# server loop is run. MXNet ignores an exception raised while loading the optimizer sent by
+# ``kv.set_optimizer`` (the server then just sums gradients): exit instead.
+_BOOTSTRAP = """\
+import os, sys, traceback
+role = os.environ['DMLC_ROLE']
+os.environ['DMLC_ROLE'] = 'worker'
+import mxnet as mx
+import mx_lbsgd
+os.environ['DMLC_ROLE'] = role
+server = mx.kv.KVStoreServer(mx.kv.create('dist'))
+control = server._controller()
+def controller(*args):
+    try:
+        control(*args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+server._controller = lambda: controller
+server.run()
+"""
+
+
+class _Stop(Exception):
+    """Raised in the main thread by the SIGTERM handler."""
+
+
+def _check_port(port):
+    """Raise ValueError unless ``port`` can be bound (the scheduler listens on all addresses)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as ZeroMQ does
+        try:
+            sock.bind(('', port))
+        except OSError as err:
+            raise ValueError(f'port {port} is already in use ({err.strerror})') from None
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(('', 0))
+        return sock.getsockname()[1]
+
+
+def _status(returncode):
+    """Shell-style exit status: 128 + N for death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _pump(pipe, prefix, stream, lock):
+    """Copy ``pipe`` to ``stream`` line by line with ``prefix``."""
+    with pipe:
+        for raw in iter(pipe.readline, b''):
+            line = raw.decode('utf-8', 'replace').rstrip('\r\n')
+            with lock:
+                stream.write(f'{prefix}{line}\n')
+                stream.flush()
+
+
+def _group_alive(pid):
+    try:
+        os.killpg(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _killpg(pid, sig):
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _teardown(procs):
+    """SIGTERM every process group, SIGKILL what is left after the grace period."""
+    for _, proc in procs:
+        _killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE
+    while time.monotonic() < deadline:
+        if all(p.poll() is not None and not _group_alive(p.pid) for _, p in procs):
+            return
+        time.sleep(_POLL)
+    for _, proc in procs:
+        _killpg(proc.pid, signal.SIGKILL)
+    for _, proc in procs:
+        proc.wait()
+
+
+def _check_counts(num_workers, num_servers):
+    for name, value in (('num_workers', num_workers), ('num_servers', num_servers)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
+
+
+def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=None,
+           stream=None, on_start=None):
+    """Run ``command`` (a list of arguments) as ``num_workers`` workers of a local PS job.
+
+    ``port``: the scheduler's port (default: a free one); ValueError if it is in use.
+    ``timeout``: wall-clock limit in seconds (None: none). ``env``: variables added to
+    ``os.environ`` for every process. ``stream``: where prefixed output goes (default
+    ``sys.stdout``). ``on_start``: called with ``{label: pid}`` once every process has
+    started (each pid is also its process group). Returns the exit status (module doc).
+    """
+    command = list(command)
+    if not command:
+        raise ValueError('command is empty')
+    _check_counts(num_workers, num_servers)
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f'timeout must be > 0, got {timeout!r}')
+    if port is None:
+        port = _free_port()
+    elif not 0 < port < 65536:
+        raise ValueError(f'port must be in 1..65535, got {port!r}')
+    else:
+        _check_port(port)
+    stream = sys.stdout if stream is None else stream
+    lock = threading.Lock()
+
+    def say(message):
+        with lock:
+            stream.write(f'[launch] {message}\n')
+            stream.flush()
+
+    base = dict(os.environ)
+    base.update(env or {})
+    base.setdefault('OMP_NUM_THREADS', '1')
+    base.setdefault('PYTHONUNBUFFERED', '1')
+    base.update(DMLC_PS_ROOT_URI='127.0.0.1', DMLC_PS_ROOT_PORT=str(port),
+                DMLC_NUM_SERVER=str(num_servers), DMLC_NUM_WORKER=str(num_workers))
+    base.setdefault('DMLC_NODE_HOST', '127.0.0.1')
+    # the directory holding this package, so the bootstrap imports this very mx_lbsgd
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bootstrap = [sys.executable, '-c', _BOOTSTRAP]
+    jobs = [('scheduler', 'scheduler', 0, bootstrap)]
+    jobs += [(f'server {i}', 'server', i, bootstrap) for i in range(num_servers)]
+    jobs += [(f'worker {i}', 'worker', i, command) for i in range(num_workers)]
+
+    procs, threads = [], []
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main:
+        def on_sigterm(signum, frame):
+            raise _Stop()
+        old_handler = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        try:
+            for label, role, rank, argv in jobs:
+                penv = dict(base, DMLC_ROLE=role, MX_LBSGD_ROLE=role, MX_LBSGD_RANK=str(rank))
+                if role != 'worker':
+                    penv['PYTHONPATH'] = os.pathsep.join(
+                        p for p in (root, penv.get('PYTHONPATH')) if p)
+                proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                procs.append((label, proc))
+                thread = threading.Thread(target=_pump, daemon=True,
+                                          args=(proc.stdout, f'[{label}] ', stream, lock))
+                thread.start()
+                threads.append(thread)
+            if on_start is not None:
+                on_start({label: proc.pid for label, proc in procs})
+            status = _wait(procs, timeout, say)
+        except KeyboardInterrupt:
+            say('interrupted; stopping all processes')
+            status = 130
+        except _Stop:
+            say('got SIGTERM; stopping all processes')
+            status = 143
+        except FileNotFoundError as err:
+            say(f'cannot start {err.filename!r}: {err.strerror}')
+            status = 127
+        finally:
+            _teardown(procs)
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, old_handler)
+    for thread in threads:
+        thread.join(timeout=2)
+    return status
+
+
+def _wait(procs, timeout, say):
+    """Poll until the workers are done, something fails or the time is up; returns status."""
+    start = time.monotonic()
+    workers = [p for label, p in procs if label.startswith('worker')]
+    done_at = None
+    while True:
+        for label, proc in procs:
+            code = proc.poll()
+            if code:
+                how = f'killed by signal {-code}' if code < 0 else f'exited with code {code}'
+                say(f'{label} {how}; stopping all processes')
+                return _status(code)
+        now = time.monotonic()
+        if all(p.returncode == 0 for _, p in procs):
+            return 0
+        if done_at is None and all(p.returncode == 0 for p in workers):
+            done_at = now
+        if done_at is not None and now - done_at > _LINGER:
+            say(f'all workers finished but servers/scheduler still run after {_LINGER:g} s; '
+                'stopping them')
+            return 0
+        if timeout is not None and now - start > timeout:
+            say(f'timeout after {timeout:g} s; stopping all processes')
+            return 124
+        time.sleep(_POLL)
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'invalid integer {text!r}') from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'invalid number {text!r}') from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f'must be > 0, got {text}')
+    return value
+
+
+def _port(text):
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f'must be <= 65535, got {value}')
+    return value
+
+
+def main(argv=None):
+    """Command line: ``mx-lbsgd launch -n WORKERS [-s SERVERS] [--port P] [--timeout S] -- CMD``."""
+    parser = argparse.ArgumentParser(
+        prog='mx-lbsgd launch',
+        description='Run an MXNet dist_sync job (scheduler, servers, workers) on this machine.')
+    parser.add_argument('-n', '--num-workers', type=_positive_int, required=True,
+                        help='number of worker processes')
+    parser.add_argument('-s', '--num-servers', type=_positive_int, default=1,
+                        help='number of server processes (default 1)')
+    parser.add_argument('--port', type=_port, help="scheduler's port (default: a free one)")
+    parser.add_argument('--timeout', type=_positive_float,
+                        help='wall-clock limit in seconds; exit 124 when it expires')
+    parser.add_argument('command', nargs=argparse.REMAINDER,
+                        help='worker command, after --')
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ['--'] else args.command
+    if not command:
+        parser.error('the following arguments are required: command (give it after --)')
+    try:
+        return launch(command, args.num_workers, args.num_servers, port=args.port,
+                      timeout=args.timeout)
+    except ValueError as err:
+        print(f'{parser.prog}: error: {err}', file=sys.stderr)
+        return 2
+
+
+if __name__ == '__main__':
+    sys.exit(main())
