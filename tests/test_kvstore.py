@@ -1,0 +1,128 @@
+"""LBSGD and LossScaledSGD on MXNet's kvstores: local/device (two CPU contexts) in-process,
+dist_sync / dist_device_sync as real loopback jobs (mx_lbsgd.launch), both update modes.
+
+Equivalence: n workers (or contexts) of batch b give the weights of one process of batch n*b.
+"""
+import io
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import mxnet as mx
+
+from mx_lbsgd.launch import launch
+import dist_worker
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dist_worker.py')
+WARMUP = dict(warmup_epochs=1, updates_per_epoch=4)
+SCALED = dict(loss_scaler=dict(init_scale=2.0 ** 6, growth_interval=2))
+
+
+def config(api, optimizer, params, steps=5, batch=16, **extra):
+    return dict(api=api, optimizer=optimizer, params=params, steps=steps, batch=batch, **extra)
+
+
+def reference(cfg, num_workers):
+    """One process, one context, batch num_workers * b."""
+    single = dict(cfg, batch=cfg['batch'] * num_workers, contexts=1, kvstore=None,
+                  update_on_kvstore=None)
+    single['inject'] = {k: 0 for k in cfg.get('inject', {})}
+    os.environ.pop('MXNET_UPDATE_ON_KVSTORE', None)
+    return dist_worker.train(single)
+
+
+def assert_same(weights, record, ref_weights, ref_record, rtol=2e-5, atol=2e-6):
+    assert sorted(weights) == sorted(ref_weights)
+    for name in ref_weights:
+        np.testing.assert_allclose(weights[name], ref_weights[name], rtol=rtol, atol=atol,
+                                   err_msg=name)
+    np.testing.assert_array_equal(np.asarray(record, dtype=float),
+                                  np.asarray(ref_record, dtype=float))
+
+
+# -- local and device kvstores, two contexts in one process --------------------------------
+
+LOCAL = [pytest.param(api, kv, uok, opt, params, id='%s-%s-uok%s-%s' % (api, kv, uok, tag))
+         for api in ('gluon', 'module')
+         for kv in ('local', 'device')
+         for uok in (True, False)
+         for opt, params, tag in (
+             ('lbsgd', dict(warmup_strategy='linear', **WARMUP), 'linear'),
+             ('lbsgd', dict(warmup_strategy='power2', batch_scale=2, **WARMUP), 'power2-B2'),
+             ('lbsgd', dict(warmup_strategy='sqrt', **WARMUP), 'sqrt'),
+             ('lbsgd', dict(warmup_strategy='lars'), 'lars'),
+             ('lssgd', SCALED, 'lssgd'))]
+
+
+@pytest.mark.parametrize('api, kvstore, uok, optimizer, params', LOCAL)
+def test_two_contexts_equal_one(monkeypatch, api, kvstore, uok, optimizer, params):
+    cfg = config(api, optimizer, params, contexts=2, kvstore=kvstore,
+                 update_on_kvstore=uok if api == 'gluon' else None,
+                 inject={'2': 0} if optimizer == 'lssgd' else {})
+    ref = reference(dict(cfg, batch=32, contexts=1), 1)
+    if api == 'module':
+        monkeypatch.setenv('MXNET_UPDATE_ON_KVSTORE', str(int(uok)))
+    if optimizer == 'lssgd' and uok:
+        with pytest.raises(ValueError, match='update_on_kvstore'):
+            dist_worker.train(dict(cfg, batch=32), mx.kv.create(kvstore))
+        return
+    weights, record = dist_worker.train(dict(cfg, batch=32), mx.kv.create(kvstore))
+    assert_same(weights, record, *ref)
+
+
+# -- dist_sync jobs on loopback -----------------------------------------------------------
+
+DIST = [
+    pytest.param(config('gluon', 'lbsgd', dict(warmup_strategy='linear', **WARMUP),
+                        kvstore='dist_sync', update_on_kvstore=False), id='gluon-linear'),
+    pytest.param(config('gluon', 'lbsgd', dict(warmup_strategy='lars'),
+                        kvstore='dist_sync', update_on_kvstore=False), id='gluon-lars'),
+    pytest.param(config('gluon', 'lssgd', SCALED, kvstore='dist_sync', update_on_kvstore=False,
+                        inject={'2': 1}), id='gluon-lssgd-inf-on-one-worker'),
+    pytest.param(config('gluon', 'lbsgd', dict(warmup_strategy='sqrt', **WARMUP),
+                        kvstore='dist_sync', update_on_kvstore=True),
+                 id='gluon-sqrt-server-update'),
+    pytest.param(config('gluon', 'lbsgd', dict(warmup_strategy='power2', batch_scale=2,
+                                               **WARMUP),
+                        kvstore='dist_device_sync', update_on_kvstore=False, contexts=2),
+                 id='gluon-device-sync-power2-B2'),
+    pytest.param(config('module', 'lbsgd', dict(warmup_strategy='linear', **WARMUP),
+                        kvstore='dist_sync'), id='module-linear-server-update'),
+    pytest.param(config('module', 'lssgd', SCALED, kvstore='dist_sync',
+                        module_update_on_kvstore=False, inject={'1': 0}),
+                 id='module-lssgd-inf-on-one-worker'),
+]
+
+
+def run_job(cfg, tmp_path, workers=2, timeout=90):
+    out = io.StringIO()
+    code = launch([sys.executable, WORKER, json.dumps(cfg), str(tmp_path)], workers, 1,
+                  timeout=timeout, stream=out,
+                  env={'PYTHONPATH': os.pathsep.join(filter(None, [
+                      os.path.dirname(os.path.dirname(WORKER)), os.environ.get('PYTHONPATH')]))})
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize('cfg', DIST)
+def test_dist_workers_equal_one_process(tmp_path, cfg):
+    code, log = run_job(cfg, tmp_path)
+    assert code == 0, log
+    ranks = [np.load(str(tmp_path / ('rank%d.npz' % r))) for r in range(2)]
+    ref_weights, ref_record = reference(cfg, 2)
+    for saved in ranks:
+        weights = {k: saved[k] for k in saved.files if k != 'record'}
+        assert_same(weights, saved['record'], ref_weights, ref_record)
+    if cfg.get('inject'):
+        assert ranks[0]['record'][:, 1].sum() == len(cfg['inject'])     # skipped everywhere
+
+
+@pytest.mark.parametrize('cfg', [
+    pytest.param(config('gluon', 'lssgd', SCALED, kvstore='dist_sync'), id='gluon-auto'),
+    pytest.param(config('module', 'lssgd', SCALED, kvstore='dist_sync'), id='module-default'),
+])
+def test_dist_server_side_loss_scaling_refused(tmp_path, cfg):
+    code, log = run_job(cfg, tmp_path)
+    assert code != 0
+    assert 'update_on_kvstore' in log and 'ValueError' in log
