@@ -3,7 +3,8 @@
 MXNet writes `Trainer.save_states` and `Module.save_checkpoint` files in place, so a process
 killed mid-save leaves a truncated file and loading it fails deep inside pickle. These
 functions write to a temporary file in the same folder, fsync it and rename it over the
-target (atomic on POSIX), and check a file before loading it. The files stay MXNet's own
+target (atomic on POSIX; a killed save may leave a hidden `.NAME.*` temporary file, never a
+half-written NAME), and check a file before loading it. The files stay MXNet's own
 format: `trainer.load_states` / `mod.load_optimizer_states` read them too.
 
 What survives: the per-parameter states (momentum, fp32 master copies, accumulators) and,
@@ -31,6 +32,9 @@ def _atomic_write(path, write):
         write(tmp)
         with open(tmp, 'rb+') as f:
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)         # mkstemp makes it 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

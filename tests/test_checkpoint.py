@@ -161,3 +161,44 @@ def test_states_from_mxnet_builtin_lbsgd(tmp_path, batch_scale, works):
     else:
         with pytest.raises(ValueError, match='batch_scale=1'):
             gluon_steps(net, trainer, 2, 3)
+
+
+KILLED_SAVER = r'''
+import sys
+sys.path.insert(0, sys.argv[2])
+import mxnet as mx
+from mx_lbsgd import checkpoint
+from harness import mlp
+net = mlp(hidden=512)
+trainer = mx.gluon.Trainer(net.collect_params(), 'lbsgd', dict(momentum=0.9), kvstore=None)
+def step():
+    with mx.autograd.record():
+        loss = net(mx.nd.ones((4, 64))).sum()
+    loss.backward()
+    trainer.step(1)
+step()
+checkpoint.save_states(trainer, sys.argv[1])
+print('first save done', flush=True)
+while True:
+    step()
+    checkpoint.save_states(trainer, sys.argv[1])
+'''
+
+
+def test_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    path = str(tmp_path / 'trainer.states')
+    proc = subprocess.Popen([sys.executable, '-c', KILLED_SAVER, path,
+                             os.path.dirname(os.path.abspath(__file__))],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == 'first save done'
+    time.sleep(1.0)                       # mid-way through one of many saves
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    net = mlp(hidden=512)
+    trainer = gluon.Trainer(net.collect_params(), 'lbsgd', dict(momentum=0.9), kvstore=None)
+    checkpoint.load_states(trainer, path)       # never a half-written file
+    assert len(trainer._updaters[0].states) == 4
