@@ -10,7 +10,7 @@ import mxnet as mx
 
 from . import checkpoint
 from ._graph_scale import scale_gradient
-from .gluon import LossScaling
+from .gluon import LossScaling, init_kvstore
 from .lbsgd import LBSGD
 from .lssgd import LossScaledSGD
 from .loss_scale import DynamicLossScaler, LossScaleStuckError
@@ -19,7 +19,7 @@ from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 
 __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
            'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling',
-           'LossScaledSGD', 'scale_gradient', 'checkpoint']
+           'LossScaledSGD', 'scale_gradient', 'checkpoint', 'init_kvstore']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.

@@ -146,3 +146,21 @@ class LossScaling:
         self.last_step_skipped = not finite
         self._reduced = self._unscaled = False
         return finite
+
+
+def init_kvstore(trainer, batch_size):
+    """Create the Trainer's kvstore and broadcast the initial weights now, waiting for it.
+
+    MXNet 1.9.1's Trainer does this lazily inside the first `step`, where the pull of the
+    initial weights and the first push of gradients use different arrays and are not
+    ordered: on a dist kvstore a worker can receive the first gradient sum as its weights
+    (seen here: 1 run in 12 under load). Call this once after creating the Trainer (the
+    parameters must be initialized), before the first `step`, with the `batch_size` you
+    will pass to `step` (servers that update get the optimizer, rescale_grad included, now).
+    """
+    trainer._optimizer.rescale_grad = trainer._scale / batch_size
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    if trainer._params_to_init:
+        trainer._init_params()
+    mx.nd.waitall()

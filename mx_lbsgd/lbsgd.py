@@ -353,6 +353,9 @@ class LBSGD(mx.optimizer.Optimizer):
 
     def __getstate__(self):
         state = super().__getstate__()
+        # param_dict is not pickled; keep its names (LARS exclusions on kvstore servers)
+        state['idx2name'] = dict(self.idx2name)
+        state['idx2name'].update((i, p.name) for i, p in self.param_dict.items())
         state['_scratch'] = {}
         state['_gate'] = _StepGate(self.fused)
         return state

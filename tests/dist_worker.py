@@ -43,6 +43,8 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
         net.collect_params().reset_ctx(contexts)
     trainer = gluon.Trainer(net.collect_params(), cfg['optimizer'], _optimizer_params(cfg),
                             kvstore=kv, update_on_kvstore=cfg.get('update_on_kvstore'))
+    if kv is not None:
+        mx_lbsgd.init_kvstore(trainer, cfg['batch'] * num_workers)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     record = []
     for step in range(cfg['steps']):

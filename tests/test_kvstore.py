@@ -88,8 +88,15 @@ DIST = [
                                                **WARMUP),
                         kvstore='dist_device_sync', update_on_kvstore=False, contexts=2),
                  id='gluon-device-sync-power2-B2'),
+    pytest.param(config('gluon', 'lbsgd', dict(warmup_strategy='lars'),
+                        kvstore='dist_device_sync', update_on_kvstore=True, contexts=2),
+                 id='gluon-device-sync-lars-server-update'),
     pytest.param(config('module', 'lbsgd', dict(warmup_strategy='linear', **WARMUP),
                         kvstore='dist_sync'), id='module-linear-server-update'),
+    pytest.param(config('module', 'lbsgd', dict(warmup_strategy='power2', batch_scale=2,
+                                                **WARMUP),
+                        kvstore='dist_device_sync', contexts=2, module_update_on_kvstore=False),
+                 id='module-device-sync-power2-B2'),
     pytest.param(config('module', 'lssgd', SCALED, kvstore='dist_sync',
                         module_update_on_kvstore=False, inject={'1': 0}),
                  id='module-lssgd-inf-on-one-worker'),
@@ -113,7 +120,10 @@ def test_dist_workers_equal_one_process(tmp_path, cfg):
     ref_weights, ref_record = reference(cfg, 2)
     for saved in ranks:
         weights = {k: saved[k] for k in saved.files if k != 'record'}
-        assert_same(weights, saved['record'], ref_weights, ref_record)
+        # sums over 2 workers x contexts round differently from one batch (LARS amplifies)
+        assert_same(weights, saved['record'], ref_weights, ref_record, rtol=1e-3, atol=1e-4)
+    for name in ranks[0].files:                  # every worker holds the same weights
+        np.testing.assert_array_equal(ranks[0][name], ranks[1][name])
     if cfg.get('inject'):
         assert ranks[0]['record'][:, 1].sum() == len(cfg['inject'])     # skipped everywhere
 
