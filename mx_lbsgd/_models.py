@@ -12,6 +12,7 @@ from mxnet import gluon
 class _Dense(gluon.HybridBlock):
     def __init__(self, units, in_units, activation=None, dtype='float32', init=None, **kwargs):
         super().__init__(**kwargs)
+        self._units = units
         self._activation = activation
         with self.name_scope():
             self.weight = self.params.get('weight', shape=(units, in_units), dtype=dtype,
@@ -21,13 +22,13 @@ class _Dense(gluon.HybridBlock):
     def hybrid_forward(self, F, x, weight, bias):
         dtype = 'float32'
         out = F.FullyConnected(F.cast(x, dtype), F.cast(weight, dtype), F.cast(bias, dtype),
-                               num_hidden=weight.shape[0] if hasattr(weight, 'shape') else 0)
+                               num_hidden=self._units)
         out = F.cast(out, 'float16') if self.weight.dtype == 'float16' else out
         return F.Activation(out, self._activation) if self._activation else out
 
 
 def mlp(hidden=(64,), in_units=64, classes=10, dtype='float32', init=None, seed=0):
-    """An MLP whose parameters and activations are `dtype`; logits come out as float32."""
+    """An MLP whose parameters, activations and logits are `dtype`."""
     mx.random.seed(seed)
     net = gluon.nn.HybridSequential()
     sizes = [in_units] + list(hidden)

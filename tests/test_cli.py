@@ -1,0 +1,211 @@
+"""End to end tests of the ``mx-lbsgd`` command (mx_lbsgd.cli)."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mx_lbsgd.cli import main
+from reference import warmup_multiplier
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUMMARY_KEYS = {'args', 'final_test_acc', 'best_test_acc', 'best_epoch', 'epochs_to_target',
+                'target_acc', 'wall_time_s', 'skipped_steps', 'total_steps', 'versions',
+                'plots', 'files'}
+
+
+def _rows(path):
+    with open(path, newline='') as f:
+        return list(csv.DictReader(f))
+
+
+def _one_line_error(err, *words):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert 'Traceback' not in err
+    assert ': error: ' in lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def test_train_writes_metrics_summary_and_plot(tmp_path, capsys):
+    out = tmp_path / 'run'
+    assert main(['train', '--epochs', '2', '--batch-scale', '2', '--out', str(out),
+                 '--quiet']) == 0
+    printed = capsys.readouterr().out
+    assert 'test accuracy' in printed
+    rows = _rows(out / 'metrics.csv')
+    assert [int(r['epoch']) for r in rows] == [1, 2]
+    for r in rows:
+        for key in ('train_acc', 'test_acc'):
+            assert 0.0 <= float(r[key]) <= 1.0
+        assert float(r['train_loss']) > 0 and float(r['loss_scale']) == 1.0
+        assert int(r['skipped_steps']) == 0
+    assert float(rows[-1]['test_acc']) > 0.8           # two epochs already learn digits
+    assert float(rows[0]['seconds']) < float(rows[1]['seconds'])
+    steps = _rows(out / 'steps.csv')
+    assert len(steps) == 2 * (1348 // 32)
+    lrs = [float(s['lr']) for s in steps]     # linear warmup from 0.05 to 0.1 in 1 epoch
+    assert lrs[0] == pytest.approx(0.05 * (1 + 1 / 42))
+    assert lrs[-1] == pytest.approx(0.1) and lrs == sorted(lrs)
+    summary = json.loads((out / 'summary.json').read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary['final_test_acc'] == pytest.approx(float(rows[-1]['test_acc']))
+    assert summary['args']['optimizer'] == 'lbsgd' and summary['args']['batch_scale'] == 2
+    assert summary['versions']['mxnet'] == '1.9.1'
+    for name in summary['plots']:
+        assert (out / name).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_train_float16_dynamic_loss_scale(tmp_path):
+    out = tmp_path / 'fp16'
+    assert main(['train', '--epochs', '1', '--dtype', 'float16', '--optimizer', 'sgd',
+                 '--out', str(out), '--quiet']) == 0
+    rows = _rows(out / 'metrics.csv')
+    assert len(rows) == 1
+    steps = _rows(out / 'steps.csv')
+    scales = [float(s['loss_scale']) for s in steps]
+    skipped = sum(int(s['skipped']) for s in steps)
+    assert scales[0] == 2.0 ** 16           # DynamicLossScaler's initial scale
+    assert skipped >= 1 and min(scales) < scales[0]   # overflow at 2**16, backed off
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['args']['loss_scale'] == 'dynamic'
+    assert summary['skipped_steps'] == skipped
+    assert summary['final_loss_scale'] == float(rows[0]['loss_scale'])
+    assert 0.0 <= summary['final_underflow_fraction'] < 0.01
+    assert 0.0 <= float(rows[0]['test_acc']) <= 1.0
+
+
+def test_train_float16_unscaled_lbsgd(tmp_path):
+    out = tmp_path / 'none'
+    assert main(['train', '--epochs', '1', '--dtype', 'float16', '--loss-scale', 'none',
+                 '--out', str(out), '--quiet', '--no-steps']) == 0
+    assert not (out / 'steps.csv').exists()
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['skipped_steps'] == 0 and summary['final_loss_scale'] == 1.0
+    assert summary['final_test_acc'] > 0.8
+
+
+@pytest.mark.parametrize('argv, words', [
+    (['train', '--batch-size', '0'], ['--batch-size', '>= 1']),
+    (['train', '--epochs', '0'], ['--epochs']),
+    (['train', '--lr', '0'], ['--lr', '> 0']),
+    (['train', '--batch-scale', '0'], ['--batch-scale']),
+    (['train', '--optimizer', 'foo'], ['--optimizer', 'foo']),
+    (['train', '--dtype', 'float64'], ['--dtype', 'float64']),
+    (['train', '--loss-scale', '-4'], ['--loss-scale']),
+    (['train', '--momentum', '1'], ['--momentum']),
+    (['train', '--optimizer', 'sgd', '--warmup-strategy', 'sqrt'], ['--warmup-strategy']),
+    (['train', '--optimizer', 'lars', '--batch-scale', '4'], ['--batch-scale']),
+    (['train', '--batch-size', '5000'], ['batch_size']),
+    (['schedule', '--batch-scale', '0.5'], ['--batch-scale']),
+    (['schedule', '--every', '0'], ['--every']),
+    (['nonsense'], ['COMMAND']),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, words, capsys, tmp_path):
+    assert main(argv + (['--out', str(tmp_path)] if argv[0] == 'train' else [])) == 2
+    captured = capsys.readouterr()
+    _one_line_error(captured.err, *words)
+    assert not list(tmp_path.iterdir())
+
+
+def test_subprocess_errors_have_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'train', '--batch-size', '0'],
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    _one_line_error(proc.stderr, 'mx-lbsgd train: error:', '--batch-size')
+    assert proc.stdout == ''
+
+
+def test_help_exits_0(capsys):
+    assert main(['--help']) == 0
+    assert 'schedule' in capsys.readouterr().out
+    assert main(['train', '--help']) == 0
+    assert '--warmup-strategy' in capsys.readouterr().out
+
+
+def _table(text):
+    lines = [l.split() for l in text.strip().splitlines()[1:]]
+    header, body = lines[0], lines[1:]
+    return header, [[float(v) for v in row] for row in body]
+
+
+@pytest.mark.parametrize('warmup, scale, steps, every', [(100, 8, 130, 7), (10, 4, 10, 1),
+                                                         (0, 3, 5, 1), (33, 2.5, 40, 3)])
+def test_schedule_matches_reference(warmup, scale, steps, every, capsys):
+    assert main(['schedule', '--warmup-steps', str(warmup), '--batch-scale', str(scale),
+                 '--steps', str(steps), '--every', str(every)]) == 0
+    header, rows = _table(capsys.readouterr().out)
+    assert header == ['step', 'linear', 'power2', 'sqrt']
+    assert [int(r[0]) for r in rows] == list(range(0, steps + 1, every))
+    for row in rows:
+        for name, value in zip(header[1:], row[1:]):
+            want = warmup_multiplier(int(row[0]), warmup, scale, name)
+            assert value == pytest.approx(want, abs=1e-6), (name, row[0])
+
+
+def test_schedule_plot_and_mxnet_columns(tmp_path, capsys):
+    png = tmp_path / 'warmup.png'
+    assert main(['schedule', '--warmup-steps', '20', '--batch-scale', '4', '--mxnet',
+                 '--plot', str(png)]) == 0
+    header, rows = _table(capsys.readouterr().out.split('wrote')[0])
+    assert header[4:] == ['mxnet:linear', 'mxnet:power2', 'mxnet:sqrt']
+    for row in rows:        # MXNet's own LBSGD multiplier agrees for W > 1
+        assert row[1:4] == pytest.approx(row[4:7])
+    assert png.read_bytes()[:4] == b'\x89PNG'
+
+
+def test_bench_runs_the_benchmark_script(monkeypatch, capsys):
+    seen = {}
+
+    def fake_run(path, argv):
+        seen.update(path=path, argv=argv)
+        return 0
+    monkeypatch.setattr('mx_lbsgd.cli._run_script', fake_run)
+    assert main(['bench', '--rounds', '1', '--dtypes', 'float32']) == 0
+    assert seen['path'] == os.path.join(ROOT, 'benchmarks', 'bench_step.py')
+    assert seen['argv'] == ['--rounds', '1', '--dtypes', 'float32']
+    assert main(['bench', '--loss-scale', '--quick']) == 0
+    assert seen['path'].endswith('bench_loss_scale.py') and seen['argv'] == ['--quick']
+
+
+def test_bench_without_checkout_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr('mx_lbsgd.cli._benchmarks_dir', lambda: None)
+    assert main(['bench']) == 2
+    _one_line_error(capsys.readouterr().err, 'mx-lbsgd bench: error:', 'bench_step.py')
+
+
+def test_bench_script_argument_error_passes_through(capsys):
+    # bench_step.py's own argparse rejects this before any benchmarking starts
+    assert main(['bench', '--dtypes', 'float64']) == 2
+    assert 'float64' in capsys.readouterr().err
+
+
+def test_launch_delegates(monkeypatch):
+    seen = {}
+    monkeypatch.setattr('mx_lbsgd.launch.main', lambda argv: seen.setdefault('argv', argv)
+                        and 7)
+    assert main(['launch', '-n', '2', '--', 'python', 'x.py']) == 7
+    assert seen['argv'] == ['-n', '2', '--', 'python', 'x.py']
+
+
+def test_train_dist_sync_two_workers_rank0_writes(tmp_path):
+    out = tmp_path / 'dist'
+    worker = [sys.executable, '-m', 'mx_lbsgd', 'train', '--kvstore', 'dist_sync',
+              '--epochs', '1', '--no-steps', '--out', str(out)]
+    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'launch', '-n', '2',
+                           '--timeout', '120', '--'] + worker, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # only kv.rank 0 reports (the launcher's [worker N] labels need not match kv.rank)
+    assert proc.stdout.count('] test accuracy') == 1
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['num_workers'] == 2 and summary['rank'] == 0
+    assert summary['effective_batch'] == 64
+    assert summary['steps_per_epoch'] == (1348 // 2) // 32
+    # same result as any other run: the initial weights are broadcast before the first
+    # step (a race inside MXNet's lazy broadcast gave ~0.2 on a loaded machine)
+    assert summary['final_test_acc'] > 0.7
+    assert len(_rows(out / 'metrics.csv')) == 1
