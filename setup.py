@@ -13,7 +13,6 @@ setup(
                       'matplotlib>=3.3,<3.10'],
     extras_require={
         'test': ['pytest>=7'],
-        'examples': [],
     },
     entry_points={'console_scripts': ['mx-lbsgd = mx_lbsgd.cli:main']},
 )

@@ -4,7 +4,7 @@ Every optimizer runs in this one process through MXNet's Updater (as Gluon and M
 it) on the same weights and gradients. Each step is timed with the engine drained
 after it. The optimizers take turns, round after round, and every ratio is the median over
 rounds of the ratio within a round, so that the drift of a shared machine cancels out.
-Host syncs are counted per step.
+Host syncs and operator calls (kernel launches on a GPU) are counted per step.
 
     python benchmarks/bench_step.py [--dtypes float32 float16] [--rounds 8] [--json out.json]
 """
@@ -20,7 +20,7 @@ import numpy as np
 import mxnet as mx
 
 import mx_lbsgd
-from mx_lbsgd._syncs import count_host_syncs
+from mx_lbsgd._syncs import count_host_syncs, count_kernel_launches
 
 def resnet50_shapes():
     net = mx.gluon.model_zoo.vision.resnet50_v1()
@@ -85,18 +85,20 @@ class Timed:
         self.args = (list(range(len(shapes))), grads, weights)
         self.updater(*self.args)            # creates the states: micro-step 1, not timed
         mx.nd.waitall()
-        self.rounds, self.syncs, self.steps = [], 0, 0
+        self.rounds, self.syncs, self.launches, self.steps = [], 0, 0, 0
 
     def round(self, steps):
         """Time `steps` steps (B=4: micro-steps 2..5 of a window, so update at index 2)."""
         times = []
         for _ in range(4 if self.window == 4 else steps):
-            with count_host_syncs(include_waitall=False) as calls:
+            with count_host_syncs(include_waitall=False) as calls, \
+                    count_kernel_launches() as launches:
                 start = time.perf_counter()
                 self.updater(*self.args)
                 mx.nd.waitall()
                 times.append(1e3 * (time.perf_counter() - start))
             self.syncs += len(calls)
+            self.launches += len(launches)
             self.steps += 1
         if self.window == 4:
             self.rounds.append({'ms': times[2], 'accumulate_ms': statistics.median(
@@ -106,7 +108,8 @@ class Timed:
 
     def row(self, dtype):
         row = {'dtype': dtype, 'optimizer': self.name,
-               'host_syncs_per_step': self.syncs / self.steps, 'rounds': self.rounds}
+               'host_syncs_per_step': self.syncs / self.steps,
+               'launches_per_step': self.launches / self.steps, 'rounds': self.rounds}
         for key in self.rounds[0]:
             row[key] = statistics.median(r[key] for r in self.rounds)
         return row
@@ -129,8 +132,8 @@ def run(dtypes, rounds, names=None, steps_per_round=2, seed=0):
         for t in timed:
             row = t.row(dtype)
             results['rows'].append(row)
-            print('%-8s %-26s %8.1f ms  syncs/step %5.1f%s' % (
-                dtype, t.name, row['ms'], row['host_syncs_per_step'],
+            print('%-8s %-26s %8.1f ms  syncs/step %5.1f  ops/step %6.1f%s' % (
+                dtype, t.name, row['ms'], row['host_syncs_per_step'], row['launches_per_step'],
                 '  accumulate %.1f ms' % row['accumulate_ms'] if 'accumulate_ms' in row
                 else ''), file=sys.stderr, flush=True)
         del timed
@@ -169,12 +172,14 @@ def ratios(results):
 
 
 def table(results, targets):
-    lines = ['| dtype | optimizer | ms / step | host syncs / step |', '|---|---|---:|---:|']
+    lines = ['| dtype | optimizer | ms / step | host syncs / step | op calls / step |',
+             '|---|---|---:|---:|---:|']
     for r in results['rows']:
         extra = (' (accumulate-only step: %.1f ms)' % r['accumulate_ms']
                  if 'accumulate_ms' in r else '')
-        lines.append('| %s | %s | %.1f%s | %g |' % (r['dtype'], r['optimizer'], r['ms'],
-                                                     extra, r['host_syncs_per_step']))
+        lines.append('| %s | %s | %.1f%s | %g | %g |' % (
+            r['dtype'], r['optimizer'], r['ms'], extra, r['host_syncs_per_step'],
+            r.get('launches_per_step', float('nan'))))
     lines += ['', '| dtype | ratio | measured |', '|---|---|---:|']
     for dtype, values in targets.items():
         for key, value in values.items():

@@ -30,3 +30,21 @@ def count_host_syncs(include_waitall=True):
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def count_kernel_launches():
+    """Yields a list that receives one entry per MXNet operator call (one engine push,
+    a kernel launch on GPU) made through mx.nd inside the block."""
+    from mxnet.ndarray import register
+    calls = []
+    original = register._imperative_invoke
+
+    def counting(handle, *args, **kwargs):
+        calls.append(handle)
+        return original(handle, *args, **kwargs)
+    register._imperative_invoke = counting
+    try:
+        yield calls
+    finally:
+        register._imperative_invoke = original

@@ -302,10 +302,13 @@ class LBSGD(mx.optimizer.Optimizer):
         """Detects a kvstore updating key by key (update_on_kvstore=True), where a step
         cannot be skipped as a whole; refuses it and skips every such update."""
         if self._kvstore_refusal is None:
-            by_kvstore = any(isinstance(i, str) for i in index) or any(
-                i in self.param_dict and self.param_dict[i]._data is not None
-                and all(_handle(w) != _handle(d) for d in self.param_dict[i].list_data())
-                for i, w in zip(index, weight))
+            # a kvstore calls with one key: a str (Module) or an index whose weight is the
+            # kvstore's own copy, not one of the parameter's arrays (Gluon)
+            i, w = index[0], weight[0]
+            param = self.param_dict.get(i)
+            by_kvstore = isinstance(i, str) or (
+                param is not None and param._data is not None
+                and all(_handle(w) != _handle(d) for d in param.list_data()))
             if not by_kvstore:
                 return False
             self._kvstore_refusal = _KVSTORE_REFUSAL % type(self).__name__
