@@ -83,7 +83,7 @@ def lars_lrs(*, weights, grads, lrs, wds, apply, eta, eps, rescale_grad, lars_mi
 
 
 def accumulate(*, accs, grads, first, scratch, factor=1.0):
-    """accs[i] = factor * grads[i] (first micro-batch of a window) or accs[i] += factor * grads[i].
+    """accs[i] = factor * grads[i] (first micro-batch of a window) or += factor * grads[i].
 
     Accumulators are float32 (or wider); a float16 gradient is cast through `scratch`, a
     dict holding one flat buffer per (context, dtype) that is reused from step to step.
@@ -92,6 +92,9 @@ def accumulate(*, accs, grads, first, scratch, factor=1.0):
     """
     for acc, grad in zip(accs, grads):
         if first:
+            if factor != 1.0 and grad.dtype == acc.dtype:
+                nd._internal._mul_scalar(grad, scalar=factor, out=acc)
+                continue
             nd.Cast(grad, dtype=acc.dtype, out=acc)
             if factor != 1.0:
                 nd._internal._mul_scalar(acc, scalar=factor, out=acc)

@@ -5,8 +5,9 @@ Updater per device, Module one for all) and, within a device, once per weight dt
 decided call by call could apply the float32 group and skip the float16 one. The gate
 decides once per step instead, over all of the step's gradients, with one host read:
 
-- with a gluon Trainer (`param_dict` set) at the first call, over the fresh gradients of all
-  parameters on all devices;
+- with a gluon Trainer at the first call, over the fresh gradients of all parameters on all
+  devices (listed by the optimizer's `rescale_grad` setter, which `Trainer.step` calls
+  before it clears the fresh flags);
 - otherwise (Module, a bare Updater) it holds calls back until the step has delivered every
   (context, index) pair the previous step delivered; in the first step, every index whose
   state the Updater just created (it creates a whole device call's states before updating
@@ -36,6 +37,7 @@ class _StepGate:
         self._pending = []        # calls held back: (grads, call)
         self._checked = set()     # handles of the gradients the decision covered
         self._boundary = False    # new_step() was called
+        self._fresh = []          # gradients of the whole step, given to new_step()
         self.skip = None          # None: this step is not decided yet
         self.counted = False      # whether a skipped step was counted in num_update
         self.scale = 1.0          # the loss scale this step's gradients carry
@@ -44,16 +46,19 @@ class _StepGate:
     def created(self, key):
         self._awaiting.add(key)
 
-    def new_step(self):
+    def new_step(self, fresh=()):
+        """Marks the next call as the start of a step; `fresh` lists all of its gradients
+        when the caller knows them (a gluon Trainer, before it clears the fresh flags)."""
         self._boundary = True
+        self._fresh = list(fresh)
 
-    def submit(self, keys, grads, call, scaler, reachable):
+    def submit(self, keys, grads, call, scaler):
         """Returns the calls to run now as (call, apply) pairs, in submission order.
 
-        `reachable()` lists all fresh gradients of the step when known (gluon); `scaler` is
-        updated once per step, when the step is decided.
+        `scaler` is updated once per step, when the step is decided.
         """
         runs = []
+        fresh = self._fresh if self._boundary else []
         if self._boundary or any(k in self._delivered for k in keys):
             if self._pending:
                 warnings.warn('a step delivered fewer parameters than the one before; its '
@@ -62,11 +67,11 @@ class _StepGate:
                 runs = self._release(scaler, [])
             self._expected = self._delivered or self._expected
             self._delivered, self._checked = set(), set()
-            self.skip, self.counted, self._boundary = None, False, False
+            self.skip, self.counted, self._boundary, self._fresh = None, False, False, []
         self._delivered.update(keys)
         self._awaiting.difference_update(keys)
         self._pending.append((grads, call))
-        extra = list(reachable()) if self.skip is None else []
+        extra = fresh if self.skip is None else []
         if self.skip is None and not extra and (
                 self._awaiting or not self._expected <= self._delivered):
             return runs

@@ -48,12 +48,16 @@ def _check_states_file(path):
             blob = f.read()
     except OSError as err:
         raise ValueError('cannot read optimizer states %r: %s' % (path, err)) from None
+    served = dict(_graph_scale._SCALERS)
     try:
-        states = pickle.loads(blob)
+        states = pickle.loads(blob)      # unpickling serves the file's scaler: undo that
     except Exception as err:   # truncated or corrupted: any unpickling error
         raise ValueError('optimizer states file %r (%d bytes) is truncated or corrupted '
                          '(%s: %s); load an earlier checkpoint or start from fresh optimizer '
                          'states' % (path, len(blob), type(err).__name__, err)) from None
+    finally:
+        _graph_scale._SCALERS.clear()
+        _graph_scale._SCALERS.update(served)
     optimizer = None
     if isinstance(states, tuple) and len(states) == 2:
         states, optimizer = states

@@ -1,5 +1,6 @@
 """`LBSGD`: large-batch SGD with warmup, LARS, gradient accumulation and fp32 master weights."""
 import sys
+import uuid
 import warnings
 
 import numpy as np
@@ -22,17 +23,21 @@ class LBSGD(mx.optimizer.Optimizer):
     the gradients of B micro-batches are summed in a float32 buffer and applied once::
 
         k = micro-batches seen by this parameter on this device      # 1, 2, 3, ...
-        if k % B != 0:
-            acc = grad if k % B == 1 else acc + grad                 # no weight touched
-            return
-        g = (acc + grad) / B if B > 1 else grad
+        r = rescale_grad / loss_scale           # of this micro-batch (loss_scale 1 if none)
+        if B > 1:
+            acc = r * grad if k % B == 1 else acc + r * grad         # no weight touched
+            if k % B != 0:
+                return
+            g, r = acc / B, 1.0
+        else:
+            g = grad
         n = begin_epoch * updates_per_epoch + k
         W = warmup_epochs * updates_per_epoch
         mult = warmup_multiplier(n, W, B, warmup_strategy)          # linear, power2, sqrt
         if warmup_strategy == 'lars' and layer not excluded:
-            mult = clip(lars_eta * |w| / (|g * rescale_grad| + wd * |w| + lars_eps),
+            mult = clip(lars_eta * |w| / (|r * g| + wd * |w| + lars_eps),
                         lars_min, lars_max)            # 1 where |w| == 0 or |g| == 0
-        mom = momentum * mom - lr * mult * (clip(rescale_grad * g, clip_gradient) + wd * w)
+        mom = momentum * mom - lr * mult * (clip(r * g, clip_gradient) + wd * w)
         w = w + mom
 
     With ``multi_precision=True`` and float16 weights, ``w`` above is an fp32 master copy
@@ -148,6 +153,8 @@ class LBSGD(mx.optimizer.Optimizer):
         self.aggregate_num = 1 << 30
         self._scratch = {}
         self._ledger = _Ledger(self)
+        self._token = uuid.uuid4().hex     # shared by every unpickled copy of this optimizer
+        self._adopted = set()
         self.loss_scaler = loss_scaler
         self.count_skipped_steps = bool(count_skipped_steps)
         self.scale_key = str(scale_key)
@@ -168,7 +175,7 @@ class LBSGD(mx.optimizer.Optimizer):
             raise ValueError(self._kvstore_refusal)
         self._rescale_grad = value
         if '_gate' in self.__dict__:
-            self._gate.new_step()
+            self._gate.new_step(self._fresh_grads())
 
     # -- state -------------------------------------------------------------------------
     def _uses_master(self, weight):
@@ -239,11 +246,12 @@ class LBSGD(mx.optimizer.Optimizer):
         self._skipped_updates = old._skipped_updates
         if self.loss_scaler is not None and old.loss_scaler is not None:
             # this step's gradients carry the scale served to scale_gradient ops when the
-            # backward ran (unpickling the states served the saved scaler)
+            # backward ran
             self._gate.scale_override = _graph_scale.served(self.scale_key,
                                                             self.loss_scaler).scale
             self.loss_scaler.load_state_dict(old.loss_scaler.state_dict())
-            _graph_scale.serve(self.scale_key, self.loss_scaler)   # unpickling served old's
+            _graph_scale.serve(self.scale_key, self.loss_scaler)
+        self._adopted.add(getattr(old, '_token', None))
         ledger.opt = self
 
     # -- update ------------------------------------------------------------------------
@@ -271,15 +279,19 @@ class LBSGD(mx.optimizer.Optimizer):
                                 % (self._name(i), w.stype, g.stype))
         last = state[0][-1] if isinstance(state[0], tuple) and state[0] else None
         if isinstance(last, _Ledger) and last.opt is not self:
-            self._adopt(last)
+            # Trainer.load_states unpickles once per device: copies of the same optimizer
+            # (or of one already adopted) carry nothing new
+            if getattr(last.opt, '_token', None) in self._adopted | {self._token}:
+                last.opt = self
+            else:
+                self._adopt(last)
         if self.loss_scaler is None:
             self._apply(index, weight, grad, state, unscale=1.0)
             return
         if self._updates_on_kvstore(index, weight):
             return
         runs = self._gate.submit([(w.context, i) for i, w in zip(index, weight)], grad,
-                                 (index, weight, grad, state), self.loss_scaler,
-                                 self._reachable_grads)
+                                 (index, weight, grad, state), self.loss_scaler)
         for call, apply_ in runs:
             self.last_step_skipped = not apply_
             if apply_:
@@ -289,10 +301,12 @@ class LBSGD(mx.optimizer.Optimizer):
             self._skipped_updates += 1
             self.num_update += 1
 
-    def _reachable_grads(self):
+    def _fresh_grads(self):
         """All fresh gradients of a gluon Trainer's parameters, on every device."""
         grads = []
-        for param in self.param_dict.values():
+        if self.__dict__.get('loss_scaler') is None:
+            return grads
+        for param in self.__dict__.get('param_dict', {}).values():
             if param.grad_req == 'null' or param._data is None:
                 continue
             grads += [g for d, g in zip(param.list_data(), param.list_grad()) if d._fresh_grad]
@@ -331,7 +345,8 @@ class LBSGD(mx.optimizer.Optimizer):
                 if pick:
                     _kernels.accumulate(accs=[parts[j][2] for j in pick],
                                         grads=[grad[j] for j in pick], first=first,
-                                        scratch=self._scratch, factor=unscale)
+                                        scratch=self._scratch,
+                                        factor=self.rescale_grad * unscale)
         due = [j for j, k in enumerate(steps) if k % B == 0]
         if not due:
             return
@@ -350,7 +365,9 @@ class LBSGD(mx.optimizer.Optimizer):
                      grads=[grad[j] if B == 1 else parts[j][2] for j in due],
                      moms=[parts[j][0] for j in due], masters=[parts[j][1] for j in due],
                      lrs=lrs, wds=wds, momentum=self.momentum,
-                     rescale_grad=self.rescale_grad * (unscale if B == 1 else 1.0 / B),
+                     # accumulated gradients are already rescaled and unscaled, micro-batch
+                     # by micro-batch (rescale_grad and the loss scale may change in a window)
+                     rescale_grad=self.rescale_grad * unscale if B == 1 else 1.0 / B,
                      clip_gradient=self.clip_gradient,
                      fused=self.fused, scratch=self._scratch, lars=lars)
 
@@ -365,6 +382,8 @@ class LBSGD(mx.optimizer.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        # Module.load_optimizer_states unpickles the saved optimizer with the states: its
+        # scaler serves scale_gradient until the next update adopts it (bit-identical resume)
         if self.loss_scaler is not None:
             _graph_scale.serve(self.scale_key, self.loss_scaler)
 

@@ -202,3 +202,40 @@ def test_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     trainer = gluon.Trainer(net.collect_params(), 'lbsgd', dict(momentum=0.9), kvstore=None)
     checkpoint.load_states(trainer, path)       # never a half-written file
     assert len(trainer._updaters[0].states) == 4
+
+
+def test_two_device_trainer_resume_bit_identical(tmp_path):
+    """Trainer.load_states unpickles the file once per device: every copy is the same
+    optimizer, so the counters of all devices stay in step."""
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+
+    def fresh():
+        net = mlp()
+        net.collect_params().reset_ctx(ctxs)
+        return net, gluon.Trainer(net.collect_params(), 'lbsgd', dict(
+            learning_rate=0.1, momentum=0.9, batch_scale=2, warmup_epochs=1,
+            updates_per_epoch=6), kvstore='device', update_on_kvstore=False)
+
+    def steps(net, trainer, begin, end):
+        loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+        for step in range(begin, end):
+            xs = gluon.utils.split_and_load(nd.array(X[step * 32:(step + 1) * 32]), ctxs)
+            ys = gluon.utils.split_and_load(nd.array(Y[step * 32:(step + 1) * 32]), ctxs)
+            with autograd.record():
+                losses = [loss_fn(net(x), y) for x, y in zip(xs, ys)]
+            autograd.backward(losses)
+            trainer.step(32)
+
+    net_a, trainer_a = fresh()
+    steps(net_a, trainer_a, 0, 8)
+    net_b, trainer_b = fresh()
+    steps(net_b, trainer_b, 0, 3)
+    net_b.save_parameters(str(tmp_path / 'net.params'))
+    checkpoint.save_states(trainer_b, str(tmp_path / 'trainer.states'))
+    net_c, trainer_c = fresh()
+    net_c.load_parameters(str(tmp_path / 'net.params'), ctx=ctxs)
+    checkpoint.load_states(trainer_c, str(tmp_path / 'trainer.states'))
+    steps(net_c, trainer_c, 3, 8)
+    for a, c in zip(net_a.collect_params().values(), net_c.collect_params().values()):
+        for ctx in ctxs:
+            np.testing.assert_array_equal(a.data(ctx).asnumpy(), c.data(ctx).asnumpy())

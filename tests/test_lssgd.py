@@ -315,3 +315,54 @@ def test_hook_one_host_sync_per_step():
         with count_host_syncs(include_waitall=False) as calls:
             assert scaling.step(1)
         assert calls == ['asscalar'], calls
+
+
+def _subset_steps(optimizer):
+    """Three steps of two layers, the second without layer b (ignore_stale_grad)."""
+    a = gluon.nn.Dense(2, in_units=2, use_bias=False, prefix='a_')
+    b = gluon.nn.Dense(2, in_units=2, use_bias=False, prefix='b_')
+    a.initialize(mx.init.One())
+    b.initialize(mx.init.One())
+    params = a.collect_params()
+    params.update(b.collect_params())
+    trainer = gluon.Trainer(params, optimizer, {'learning_rate': 1.0}, kvstore=None)
+    history = []
+    for use_b, g in ((True, 1.0), (False, 1.0), (True, 10.0)):
+        scaler = getattr(trainer._optimizer, 'loss_scaler', None)
+        with autograd.record():
+            out = a(nd.ones((1, 2)) * g).sum()
+            if use_b:
+                out = out + b(nd.ones((1, 2)) * g).sum()
+            loss = out * (scaler.scale if scaler else 1.0)
+        loss.backward()
+        trainer.step(1, ignore_stale_grad=True)
+        history.append((a.weight.data().asnumpy(), b.weight.data().asnumpy()))
+    return history
+
+
+def test_step_with_a_subset_of_parameters_applies_at_once():
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)
+        scaled = _subset_steps('lssgd')
+    for (a1, b1), (a2, b2) in zip(_subset_steps('sgd'), scaled):
+        np.testing.assert_array_equal(a1, a2)
+        np.testing.assert_array_equal(b1, b2)
+
+
+def test_hook_with_accumulation_and_a_changing_scale():
+    """LossScaling over LBSGD(batch_scale=2): each micro-batch is unscaled by its own scale."""
+    results = []
+    for growth_interval in (1000, 1):
+        w = gluon.Parameter('w', shape=(1,), init=mx.init.Zero())
+        w.initialize()
+        trainer = gluon.Trainer([w], 'lbsgd', dict(learning_rate=1.0, batch_scale=2,
+                                                    warmup_epochs=0), kvstore=None)
+        scaling = mx_lbsgd.LossScaling(trainer, DynamicLossScaler(
+            init_scale=4.0, growth_interval=growth_interval), force=True)
+        for _ in range(2):
+            with autograd.record():
+                loss = scaling.scale_loss(w.data() * 1.0)
+            loss.backward()
+            scaling.step(1)
+        results.append(w.data().asscalar())
+    assert results[0] == results[1] != 0.0
