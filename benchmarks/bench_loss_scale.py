@@ -34,9 +34,7 @@ have moved (no step skipped for overflow).
 """
 import argparse
 import functools
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -256,16 +254,12 @@ def main(argv=None):
     load = os.getloadavg()[0]
     results = run(args.dtypes, args.rounds, args.warmup, args.quick)
     results['targets'] = targets(results)
-    results['machine'] = {'cpus': os.cpu_count(), 'python': platform.python_version(),
-                          'mxnet': mx.__version__,
-                          'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS'),
-                          'loadavg_1min_start_end': [load, os.getloadavg()[0]]}
+    results['machine'] = bench_step.machine(
+        loadavg_1min_start_end=[load, os.getloadavg()[0]])
     print('ResNet-50 v1: %d tensors, %d parameters, batch %d, loss scale %g' % (
         results['tensors'], results['parameters'], BATCH, SCALE))
     print(table(results))
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(results, f, indent=1)
+    bench_step.save_json(args.json, results)
     return results
 
 

@@ -198,16 +198,25 @@ def main(argv=None):
     args = parser.parse_args(argv)
     results = run(args.dtypes, args.rounds, args.only)
     results['ratios'] = ratios(results)
-    results['machine'] = {'cpus': os.cpu_count(), 'python': platform.python_version(),
-                          'mxnet': mx.__version__,
-                          'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS')}
+    results['machine'] = machine()
     print('ResNet-50 v1: %d tensors, %d parameters' % (results['tensors'],
                                                        results['parameters']))
     print(table(results, results['ratios']))
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(results, f, indent=1)
+    save_json(args.json, results)
     return results
+
+
+def machine(**extra):
+    """What the numbers were measured on."""
+    return dict({'cpus': os.cpu_count(), 'python': platform.python_version(),
+                 'mxnet': mx.__version__, 'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS')},
+                **extra)
+
+
+def save_json(path, results):
+    if path:
+        with open(path, 'w') as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == '__main__':
