@@ -19,10 +19,14 @@ def check_int(name, value, minimum):
     return int(value)
 
 
-def check_real(name, value, minimum=None, maximum=None, open_min=False, open_max=False):
-    """Raise TypeError/ValueError naming `name` unless `value` is a real number in range."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+def check_real(name, value, minimum=None, maximum=None, open_min=False, open_max=False,
+               allow_inf=False):
+    """Raise TypeError unless `value` is a real number, ValueError naming `name` unless it
+    is in range (NaN never is; +-inf only with `allow_inf`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError('%s must be a real number; got %r' % (name, value))
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError('%s must be a finite real number; got %r' % (name, value))
     low_bad = minimum is not None and (value <= minimum if open_min else value < minimum)
     high_bad = maximum is not None and (value >= maximum if open_max else value > maximum)
     if low_bad or high_bad:

@@ -1,51 +1,53 @@
-"""Every mx.nd kernel call of the package.
+"""Every mx.nd kernel call of the package; the optimizers never call a kernel themselves.
 
-`_single_tensor_sgd` and `_multi_tensor_sgd` take the same keyword-only arguments; `sgd`
-picks one with a single switch (`fused`). The optimizer classes never call a kernel
-themselves.
+`_single_tensor_sgd` and `_multi_tensor_sgd` take the same keyword-only arguments. Which
+one runs is decided by `route` from the tensor sizes (or forced by ``fused``), once per
+group of tensors, by the optimizer when it first sees the group: per-tensor kernels are
+fastest for big tensors (MXNet parallelises one big kernel over all cores), MXNet's
+multi-tensor kernels (``multi_*sgd*``, ``preloaded_multi_*``) for many small ones (one
+call per 60 tensors). Nothing here reads a value back to the host except
+`finite_flag`'s caller, which reads the one flag.
 
-The fused path runs MXNet's multi-tensor ops (`multi_*sgd*`, `preloaded_multi_*`,
-`multi_sum_sq`, `multi_lars`) and never reads a value back to the host. The per-tensor path
-runs one `sgd_update`/`sgd_mom_update` per tensor (fp16 gradients cast into a reused fp32
-buffer), which is what measured fastest on MXNet's CPU wheel; with LARS it reads the
-per-layer learning rates back once per call (scalar lr arguments need floats).
+Learning rates come either as Python floats (``lrs``) or as a float32 vector on the device
+(``lr_vector``, from `lars_lrs`): the ``preloaded_multi_*`` kernels read the latter without a
+host sync, also for one tensor at a time.
 """
 import math
-import os
 
 import numpy as np
 import mxnet as mx
 from mxnet import nd
 
-from ._checks import check_choice
+MAX_TENSORS_PER_KERNEL = 60        # limit of MXNet's multi_* and preloaded_multi_* ops
+MAX_ARRAYS_PER_FINITE_CHECK = 200  # limit of multi_all_finite
+# Tensors with at least this many elements run per-tensor kernels when the path is not
+# forced. Measured on the CPU wheel (benchmarks/bench_shapes.py): per-tensor wins from
+# ~40k elements (4M params in 100 tensors: 12.7 vs 18.5 ms), multi-tensor below (4k
+# elements: 25.7 vs 74.5 ms). On a GPU one multi-tensor launch beats many per-tensor ones.
+PER_TENSOR_MIN_SIZE = {'cpu': 1 << 15, 'gpu': 1 << 62}
 
-MAX_TENSORS_PER_KERNEL = 60   # limit of MXNet's multi_* and preloaded_multi_* ops
-FUSED_ENV = 'MX_LBSGD_FUSED'
 
+def route(sizes, device_type, fused):
+    """(per-tensor positions, multi-tensor positions) for tensors of `sizes` elements.
 
-def use_fused(fused, ctx):
-    """Resolve the kernel path: `fused` if given, else $MX_LBSGD_FUSED, else GPU -> fused."""
-    if fused is None:
-        env = os.environ.get(FUSED_ENV, '')
-        if env:
-            check_choice(FUSED_ENV, env, ('0', '1'))
-            return env == '1'
-        return ctx.device_type == 'gpu'
-    return bool(fused)
+    fused=True/False forces one path; None routes by size (`PER_TENSOR_MIN_SIZE`)."""
+    if fused is not None:
+        every = list(range(len(sizes)))
+        return ([], every) if fused else (every, [])
+    limit = PER_TENSOR_MIN_SIZE.get(device_type, PER_TENSOR_MIN_SIZE['gpu'])
+    big = [i for i, n in enumerate(sizes) if n >= limit]
+    small = [i for i, n in enumerate(sizes) if n < limit]
+    return big, small
 
 
 def _chunks(seq, size=MAX_TENSORS_PER_KERNEL):
     return [seq[i:i + size] for i in range(0, len(seq), size)]
 
 
-def _flat(*columns):
-    return [x for row in zip(*columns) for x in row]
-
-
-def _device_vector(values, ctx):
-    """A float32 vector on `ctx` without a blocking host-to-device copy."""
+def device_vector(values, ctx):
+    """A float32 vector on `ctx` (built on the host, copied without blocking the engine)."""
     host = nd.array(np.asarray(values, dtype=np.float32), ctx=mx.cpu(), dtype=np.float32)
-    return host.as_in_context(ctx)
+    return host if ctx == mx.cpu() else host.as_in_context(ctx)
 
 
 def sum_squares(arrays):
@@ -61,53 +63,70 @@ def sum_squares(arrays):
     return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=0)
 
 
-def lars_lrs(*, weights, grads, lrs, wds, apply, eta, eps, rescale_grad, lars_min, lars_max):
-    """Per-layer learning rates `lr * clip(eta*|w| / (|g*rescale| + wd*|w| + eps))` on device.
-
-    Layers with apply[i] False, or a zero weight or gradient norm, keep `lr`.
+def lars_lrs(*, weights, grads, lrs, wds, keep_lr, eta, eps, rescale_grad, lars_min,
+             lars_max):
+    """Per-layer learning rates ``lr * clip(eta*|w| / (|g*rescale| + wd*|w| + eps))``, a
+    float32 vector on the device. Layers with keep_lr[i], or a zero weight or gradient
+    norm, keep ``lr``. `lrs`, `wds` and `keep_lr` are Python lists.
     """
     ctx = weights[0].context
     wss = sum_squares(weights)
     gss = sum_squares(grads)
-    lr_vec = _device_vector(lrs, ctx)
-    wd_vec = _device_vector(wds, ctx)
-    if lars_min <= 0.0 and math.isinf(lars_max) and all(apply):
+    lr_vec = device_vector(lrs, ctx)
+    wd_vec = device_vector(wds, ctx)
+    if lars_min <= 0.0 and math.isinf(lars_max) and not any(keep_lr):
         return nd.multi_lars(lr_vec, wss, gss, wd_vec, eta=eta, eps=eps,
                              rescale_grad=rescale_grad)
     ones = nd.ones((len(weights),), ctx=ctx, dtype=np.float32)
     ratio = nd.multi_lars(ones, wss, gss, wd_vec, eta=eta, eps=eps, rescale_grad=rescale_grad)
     if lars_min > 0.0 or not math.isinf(lars_max):
         ratio = nd.clip(ratio, lars_min, min(lars_max, float(np.finfo(np.float32).max)))
-    keep = (wss > 0) * (gss > 0) * _device_vector([float(a) for a in apply], ctx)
+    apply = device_vector([0.0 if k else 1.0 for k in keep_lr], ctx)
+    keep = (wss > 0) * (gss > 0) * apply
     return nd.where(keep, ratio, ones) * lr_vec
 
 
-def accumulate(*, accs, grads, first, scratch, factor=1.0):
+def accumulate(*, accs, grads, first, factor, scratch):
     """accs[i] = factor * grads[i] (first micro-batch of a window) or += factor * grads[i].
 
-    Accumulators are float32 (or wider); a float16 gradient is cast through `scratch`, a
-    dict holding one flat buffer per (context, dtype) that is reused from step to step.
-    `factor` (1/loss scale) is applied in the same pass: `sgd_update` with lr=-1, wd=0 and
-    rescale_grad=factor is an in-place axpy.
+    Accumulators are float32 (or wider); a float16 gradient is cast through `scratch` (see
+    `cast_into`). ``sgd_update`` with lr=-1, wd=0 and rescale_grad=factor is an in-place
+    axpy, so scaling costs no extra pass.
     """
     for acc, grad in zip(accs, grads):
         if first:
-            if factor != 1.0 and grad.dtype == acc.dtype:
+            if grad.dtype == acc.dtype:
                 nd._internal._mul_scalar(grad, scalar=factor, out=acc)
-                continue
-            nd.Cast(grad, dtype=acc.dtype, out=acc)
-            if factor != 1.0:
-                nd._internal._mul_scalar(acc, scalar=factor, out=acc)
+            else:
+                nd.Cast(grad, dtype=acc.dtype, out=acc)
+                if factor != 1.0:
+                    nd._internal._mul_scalar(acc, scalar=factor, out=acc)
             continue
         if grad.dtype != acc.dtype:
-            grad = _cast_into_scratch(grad, acc.dtype, scratch)
-        if factor == 1.0:
-            acc += grad
+            grad = cast_into(grad, acc.dtype, scratch)
+        nd.sgd_update(acc, grad, out=acc, lr=-1.0, wd=0.0, rescale_grad=factor)
+
+
+def write_mean(*, grads, accs, first, factor, mean_factor, scratch):
+    """grads[i] = mean_factor * (accs[i] + factor * grads[i]) in the gradient's dtype
+    (accs[i] is ignored when `first`): the accumulated window written back into the
+    gradient buffers, ready to be communicated once."""
+    for acc, grad in zip(accs, grads):
+        if first:
+            if factor * mean_factor != 1.0:
+                nd._internal._mul_scalar(grad, scalar=factor * mean_factor, out=grad)
+            continue
+        accumulate(accs=[acc], grads=[grad], first=False, factor=factor, scratch=scratch)
+        if acc.dtype == grad.dtype:
+            nd._internal._mul_scalar(acc, scalar=mean_factor, out=grad)
         else:
-            nd.sgd_update(acc, grad, out=acc, lr=-1.0, wd=0.0, rescale_grad=factor)
+            nd._internal._mul_scalar(acc, scalar=mean_factor, out=acc)
+            nd.Cast(acc, dtype=grad.dtype, out=grad)
 
 
-def _cast_into_scratch(array, dtype, scratch):
+def cast_into(array, dtype, scratch):
+    """`array` cast into a view of a flat buffer that `scratch` (a dict) keeps per
+    (context, dtype) and reuses from step to step."""
     key = (array.context, np.dtype(dtype).name)
     flat = scratch.get(key)
     if flat is None or flat.size < array.size:
@@ -126,105 +145,80 @@ def _kernel_kwargs(momentum, rescale_grad, clip_gradient):
     return kwargs
 
 
-def _single_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad,
-                       clip_gradient, scratch):
-    if isinstance(lrs, nd.NDArray):
-        lrs = lrs.asnumpy().tolist()
+def _native_mp(weight, grad, master):
+    """fp16 weight and gradient with an fp32 master copy on a GPU: the mp_* kernels.
+    On CPU (no F16C) casting the gradient into an fp32 buffer and running the fp32 kernel
+    on the master copy is 1.5x faster."""
+    return master is not None and grad.dtype == weight.dtype and \
+        weight.context.device_type == 'gpu'
+
+
+def _single_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
+                       rescale_grad, clip_gradient, scratch):
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
-    for w, g, m, w32, lr, wd in zip(weights, grads, moms, masters, lrs, wds):
-        if w32 is not None and g.dtype == w.dtype and w.context.device_type == 'gpu':
-            if m is None:
-                nd.mp_sgd_update(w, g, w32, out=w, lr=lr, wd=wd, **kwargs)
-            else:
-                nd.mp_sgd_mom_update(w, g, m, w32, out=w, lr=lr, wd=wd, **kwargs)
-            continue
-        if w32 is not None and g.dtype != w32.dtype:
-            # On CPU, casting the fp16 gradient into a reused fp32 buffer and running the
-            # fp32 kernel is 1.5x faster than mp_sgd_mom_update (no F16C in the wheel).
-            g = _cast_into_scratch(g, w32.dtype, scratch)
-        target = w if w32 is None else w32
-        if m is None:
-            nd.sgd_update(target, g, out=target, lr=lr, wd=wd, **kwargs)
+    wd_vector = None if lr_vector is None else device_vector(wds, weights[0].context)
+    for i, (w, g, m, w32) in enumerate(zip(weights, grads, moms, masters)):
+        native = _native_mp(w, g, w32)
+        if w32 is not None and not native and g.dtype != w32.dtype:
+            g = cast_into(g, w32.dtype, scratch)
+        target = w if (w32 is None or native) else w32
+        tensors = [target, g] + ([] if m is None else [m]) + ([w32] if native else [])
+        if lr_vector is None:
+            op = {(False, False): nd.sgd_update, (False, True): nd.sgd_mom_update,
+                  (True, False): nd.mp_sgd_update,
+                  (True, True): nd.mp_sgd_mom_update}[(native, m is not None)]
+            op(*tensors, out=target, lr=lrs[i], wd=wds[i], **kwargs)
         else:
-            nd.sgd_mom_update(target, g, m, out=target, lr=lr, wd=wd, **kwargs)
-        if w32 is not None:
+            _preloaded(native, m is not None)(
+                *tensors, lr_vector[i:i + 1], wd_vector[i:i + 1], out=[target], num_weights=1,
+                **kwargs)
+        if w32 is not None and not native:
             nd.Cast(w32, dtype=w.dtype, out=w)
 
 
-def _multi_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad,
-                      clip_gradient, scratch):  # pylint: disable=unused-argument
+def _preloaded(mp, with_mom):
+    return {(False, False): nd.preloaded_multi_sgd_update,
+            (False, True): nd.preloaded_multi_sgd_mom_update,
+            (True, False): nd.preloaded_multi_mp_sgd_update,
+            (True, True): nd.preloaded_multi_mp_sgd_mom_update}[(mp, with_mom)]
+
+
+def _multi_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
+                      rescale_grad, clip_gradient, scratch):  # pylint: disable=unused-argument
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
-    preloaded = isinstance(lrs, nd.NDArray)
-    if preloaded:
-        wd_vec = _device_vector(wds, weights[0].context)
-    mp = masters[0] is not None and grads[0].dtype == weights[0].dtype
-    cast_down = masters[0] is not None and not mp
+    # fp16 gradients with master copies: the mp_* kernels (one scratch buffer cannot hold
+    # the fp32 casts of a whole chunk)
+    native = masters[0] is not None and grads[0].dtype == weights[0].dtype
+    cast_down = masters[0] is not None and not native
     targets = masters if cast_down else weights
     with_mom = moms[0] is not None
+    wd_vector = None if lr_vector is None else device_vector(wds, weights[0].context)
     for start in range(0, len(weights), MAX_TENSORS_PER_KERNEL):
         end = min(start + MAX_TENSORS_PER_KERNEL, len(weights))
         part = slice(start, end)
         columns = [targets[part], grads[part]]
         if with_mom:
             columns.append(moms[part])
-        if mp:
+        if native:
             columns.append(masters[part])
-        tensors = _flat(*columns)
-        if preloaded:
-            tensors += [lrs[start:end], wd_vec[start:end]]
-            op = {(False, False): nd.preloaded_multi_sgd_update,
-                  (False, True): nd.preloaded_multi_sgd_mom_update,
-                  (True, False): nd.preloaded_multi_mp_sgd_update,
-                  (True, True): nd.preloaded_multi_mp_sgd_mom_update}[(mp, with_mom)]
-            op(*tensors, out=targets[part], num_weights=end - start, **kwargs)
-        else:
+        tensors = [x for row in zip(*columns) for x in row]
+        if lr_vector is None:
             op = {(False, False): nd.multi_sgd_update,
                   (False, True): nd.multi_sgd_mom_update,
                   (True, False): nd.multi_mp_sgd_update,
-                  (True, True): nd.multi_mp_sgd_mom_update}[(mp, with_mom)]
+                  (True, True): nd.multi_mp_sgd_mom_update}[(native, with_mom)]
             op(*tensors, out=targets[part], num_weights=end - start,
                lrs=tuple(lrs[part]), wds=tuple(wds[part]), **kwargs)
+        else:
+            _preloaded(native, with_mom)(
+                *tensors, lr_vector[start:end], wd_vector[start:end], out=targets[part],
+                num_weights=end - start, **kwargs)
     if cast_down:
         for w, w32 in zip(weights, masters):
             nd.Cast(w32, dtype=w.dtype, out=w)
 
 
-def sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad, clip_gradient,
-        fused, scratch, lars=None):
-    """One SGD step (momentum, weight decay, rescale, clip) over lists of tensors.
-
-    moms[i] / masters[i] are None without momentum / without an fp32 master copy. A master
-    copy with a gradient of the weight's dtype runs the mp_* kernels; with a float32
-    (accumulated) gradient it updates the master copy and casts it into the weight.
-    `lars`, if given, is a dict of `lars_lrs` keywords (`apply`, `eta`, `eps`, `lars_min`,
-    `lars_max`) that turns `lrs` into per-layer LARS rates on the device.
-    Tensors are grouped by context, dtypes and master presence; each group runs on one path.
-    `scratch` is a dict of reusable cast buffers (see `accumulate`).
-    """
-    groups = {}
-    for i, (w, g, w32) in enumerate(zip(weights, grads, masters)):
-        groups.setdefault((w.context, w.dtype, g.dtype, w32 is None), []).append(i)
-    for (ctx, _, _, _), idx in groups.items():
-        pick = lambda seq: [seq[i] for i in idx]   # noqa: E731
-        group = dict(weights=pick(weights), grads=pick(grads), moms=pick(moms),
-                     masters=pick(masters), lrs=pick(lrs), wds=pick(wds))
-        if lars is not None and any(pick(lars['apply'])):
-            norm_weights = [m if m is not None else w
-                            for w, m in zip(group['weights'], group['masters'])]
-            group['lrs'] = lars_lrs(weights=norm_weights, grads=group['grads'],
-                                    lrs=group['lrs'], wds=group['wds'],
-                                    apply=pick(lars['apply']), eta=lars['eta'],
-                                    eps=lars['eps'], rescale_grad=rescale_grad,
-                                    lars_min=lars['lars_min'], lars_max=lars['lars_max'])
-        impl = _multi_tensor_sgd if use_fused(fused, ctx) else _single_tensor_sgd
-        impl(momentum=momentum, rescale_grad=rescale_grad, clip_gradient=clip_gradient,
-             scratch=scratch, **group)
-
-
-MAX_ARRAYS_PER_FINITE_CHECK = 200   # limit of MXNet's multi_all_finite
-
-
-def all_finite(arrays, fused):
+def finite_flag(arrays, fused):
     """A float32 (1,) array on the first array's context: 1 if every element of every array
     is finite, else 0. Works across contexts and dtypes; reads nothing back to the host.
 
@@ -239,7 +233,7 @@ def all_finite(arrays, fused):
         flag = flags.get(ctx)
         if flag is None:
             flag = flags[ctx] = nd.ones((1,), ctx=ctx, dtype=np.float32)
-        if use_fused(fused, ctx):
+        if fused if fused is not None else ctx.device_type == 'gpu':
             for chunk in _chunks(group, MAX_ARRAYS_PER_FINITE_CHECK):
                 nd.multi_all_finite(*chunk, num_arrays=len(chunk), init_output=False, out=flag)
         else:

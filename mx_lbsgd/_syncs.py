@@ -3,6 +3,8 @@ import contextlib
 
 import mxnet as mx
 
+from . import _compat
+
 _METHODS = [(mx.nd.NDArray, 'asnumpy'), (mx.nd.NDArray, 'asscalar'),
             (mx.nd.NDArray, 'wait_to_read')]
 
@@ -36,15 +38,9 @@ def count_host_syncs(include_waitall=True):
 def count_kernel_launches():
     """Yields a list that receives one entry per MXNet operator call (one engine push,
     a kernel launch on GPU) made through mx.nd inside the block."""
-    from mxnet.ndarray import register
     calls = []
-    original = register._imperative_invoke
-
-    def counting(handle, *args, **kwargs):
-        calls.append(handle)
-        return original(handle, *args, **kwargs)
-    register._imperative_invoke = counting
+    undo = _compat.patch_operator_invoke(calls.append)
     try:
         yield calls
     finally:
-        register._imperative_invoke = original
+        undo()

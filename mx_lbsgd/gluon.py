@@ -4,7 +4,7 @@ import warnings
 import numpy as np
 import mxnet as mx
 
-from . import _kernels
+from . import _compat, _kernels, _scaling, _window
 from .loss_scale import _as_scaler
 
 
@@ -23,10 +23,12 @@ class LossScaling:
     `step` all-reduces the gradients (Trainer.allreduce_grads), checks every gradient of
     every trainer on every device on the device, reads one flag back to the host, and then
     either skips the update (no weight, momentum or master copy changes) or runs
-    Trainer.update with 1/scale folded into the optimizer's rescale_grad, so unscaling costs
-    no extra pass. The scaler is updated once per step, skipped or not. With gradient
-    accumulation (grad_req='add'), call `step` once per update: the scale stays fixed
-    inside the window.
+    ``Trainer.update(batch_size * scale)``, which folds 1/scale into the optimizer's
+    rescale_grad, so unscaling costs no extra pass. The scaler is updated once per step,
+    skipped or not. With gradient accumulation (grad_req='add'), call `step` once per
+    update: the scale stays fixed inside the window. With ``LBSGD(batch_scale>1)`` every
+    micro-batch is a step of the hook, unscaled as it is accumulated, and the gradients are
+    reduced every micro-batch (``LBSGD(loss_scaler=...)`` reduces once per window).
 
     Differences from MXNet's contrib.amp: any Optimizer, configurable and checkpointable
     scaler (`scaler.state_dict()`), every device's gradient copy checked, fp16 and fp32
@@ -48,10 +50,11 @@ class LossScaling:
             raise TypeError('trainers must be a gluon.Trainer or a list of them; got %r'
                             % (trainers,))
         for t in self.trainers:
-            if getattr(t._optimizer, 'loss_scaler', None) is not None:
+            if getattr(t.optimizer, 'loss_scaler', None) is not None:
                 raise ValueError('LossScaling: the optimizer %s already scales the loss '
                                  '(loss_scaler=%r); use one of the two, not both'
-                                 % (type(t._optimizer).__name__, t._optimizer.loss_scaler))
+                                 % (type(t.optimizer).__name__, t.optimizer.loss_scaler))
+            _window.disable(t)
         self.scaler = _as_scaler(scaler, 'scaler')
         self.force = bool(force)
         self.fused = fused
@@ -65,10 +68,11 @@ class LossScaling:
         return self.scaler.scale if self._is_active() else 1.0
 
     def _params(self):
-        return [p for t in self.trainers for p in t._params if p.grad_req != 'null']
+        return [p for t in self.trainers for p in _compat.trainer_params(t)
+                if p.grad_req != 'null']
 
     def _grads(self):
-        return [g for p in self._params() for g in p.list_grad()]
+        return [_compat.legacy(g) for p in self._params() for g in p.list_grad()]
 
     def _is_active(self):
         if self._active is None:
@@ -84,13 +88,9 @@ class LossScaling:
 
     def _prepare(self):
         for t in self.trainers:
-            if not t._kv_initialized:
-                t._init_kvstore()
-            if t._kvstore and t._update_on_kvstore:
-                raise ValueError('LossScaling needs gluon.Trainer(..., update_on_kvstore=False):'
-                                 ' with update_on_kvstore=True the kvstore updates every '
-                                 'parameter as soon as its gradient arrives, so an overflow '
-                                 'step cannot be skipped as a whole')
+            _compat.init_trainer_kvstore(t)
+            if _compat.trainer_updates_on_kvstore(t):
+                raise ValueError(_scaling.KVSTORE_REFUSAL % 'LossScaling')
         if not self._reduced:
             for t in self.trainers:
                 t.allreduce_grads()
@@ -128,24 +128,16 @@ class LossScaling:
     def step(self, batch_size, ignore_stale_grad=False):
         """Check, then apply or skip the update, then adjust the scale. True if applied."""
         self._prepare()
-        if not self._is_active():
-            finite = True
-        else:
-            finite = bool(_kernels.all_finite(self._grads(), self.fused).asscalar())
-        if finite:
-            fold = 1.0 if (self._unscaled or not self._is_active()) else 1.0 / self.scaler.scale
+        active = self._is_active()
+        scale = self.scaler.scale
+        applied = not active or _scaling.decide(self.scaler, self._grads(), self.fused)
+        if applied:
+            fold = 1.0 if (self._unscaled or not active) else _scaling.unscale_factor(scale)
             for t in self.trainers:
-                saved = t._scale
-                t._scale = saved * fold
-                try:
-                    t.update(batch_size, ignore_stale_grad)
-                finally:
-                    t._scale = saved
-        if self._is_active():
-            self.scaler.update(not finite)
-        self.last_step_skipped = not finite
+                t.update(batch_size / fold, ignore_stale_grad)
+        self.last_step_skipped = not applied
         self._reduced = self._unscaled = False
-        return finite
+        return applied
 
 
 def init_kvstore(trainer, batch_size):
@@ -158,9 +150,6 @@ def init_kvstore(trainer, batch_size):
     parameters must be initialized), before the first `step`, with the `batch_size` you
     will pass to `step` (servers that update get the optimizer, rescale_grad included, now).
     """
-    trainer._optimizer.rescale_grad = trainer._scale / batch_size
-    if not trainer._kv_initialized:
-        trainer._init_kvstore()
-    if trainer._params_to_init:
-        trainer._init_params()
+    trainer.optimizer.rescale_grad = _compat.trainer_scale(trainer) / batch_size
+    _compat.init_trainer_params(trainer)
     mx.nd.waitall()

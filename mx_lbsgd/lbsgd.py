@@ -1,5 +1,4 @@
 """`LBSGD`: large-batch SGD with warmup, LARS, gradient accumulation and fp32 master weights."""
-import sys
 import uuid
 import warnings
 
@@ -7,13 +6,17 @@ import numpy as np
 import mxnet as mx
 from mxnet import nd
 
-from . import _graph_scale, _kernels
+from . import _compat, _graph_scale, _kernels, _scaling
 from ._checks import check_choice, check_int, check_real
-from ._step_gate import _StepGate
 from .loss_scale import _as_scaler
 from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 
 DEFAULT_LARS_EXCLUDE = ('bias', 'gamma', 'beta')
+
+#: Called as hook(trainer, optimizer) at the start of every gluon Trainer step (from the
+#: ``rescale_grad`` setter). The Gluon glue registers its accumulation window here, so that
+#: this module does not import the layer above it.
+_TRAINER_STEP_HOOKS = []
 
 
 class LBSGD(mx.optimizer.Optimizer):
@@ -40,20 +43,28 @@ class LBSGD(mx.optimizer.Optimizer):
         mom = momentum * mom - lr * mult * (clip(r * g, clip_gradient) + wd * w)
         w = w + mom
 
+    Under a gluon ``Trainer`` (kvstore updates on the workers, or no kvstore, or horovod's
+    ``DistributedTrainer``) the window is kept at the Trainer's reduction instead: the
+    gradients of a window are summed per device in the same float32 buffer and reduced
+    once, on the micro-batch that updates the weights; the result is the same.
+
     With ``multi_precision=True`` and float16 weights, ``w`` above is an fp32 master copy
     (state ``(mom, weight_fp32)`` as in ``mx.optimizer.SGD``) cast back to the fp16 weight.
+    States are laid out exactly as ``mx.optimizer.SGD``'s (``mom``, ``(mom, weight_fp32)``
+    or None), with the float32 accumulator appended when ``batch_scale > 1``: at
+    ``batch_scale=1`` they load into ``SGD`` (and MXNet's ``LBSGD``) and back.
 
     LARS: You, Gitman & Ginsburg, "Large Batch Training of Convolutional Networks" (2017),
     https://arxiv.org/abs/1708.03888. Warmup: Goyal et al., "Accurate, Large Minibatch SGD"
     (2017), https://arxiv.org/abs/1706.02677.
 
-    Differences from MXNet 1.9.1's ``mx.optimizer.LBSGD``: updates run on fused
-    multi-tensor kernels (GPU) or the fastest per-tensor kernels (CPU); LARS norms stay on
-    the device, include ``rescale_grad``, use the fp32 master weights, have a trust
+    Differences from MXNet 1.9.1's ``mx.optimizer.LBSGD``: updates run on per-tensor
+    kernels for big tensors and fused multi-tensor kernels for small ones; LARS norms stay
+    on the device, include ``rescale_grad``, use the fp32 master weights, have a trust
     coefficient (``lars_eta``) and skip biases and BatchNorm parameters; accumulation is
-    fp32, lives in the per-device optimizer state (multi-device Gluon training is right),
-    keeps the first micro-batch and launches no ``lr=0`` kernel between updates; bad
-    arguments raise instead of silently disabling warmup. ``lars`` with the clip range
+    fp32, lives in the per-device optimizer state, keeps the first micro-batch, launches no
+    ``lr=0`` kernel between updates and communicates once per update under a Trainer;
+    bad arguments raise instead of silently disabling warmup. ``lars`` with the clip range
     open matches ``mx.optimizer.LARS(momentum_correction=False)``. Compared with PyTorch's
     ``torch.optim.SGD``: MXNet's momentum form (lr inside the momentum buffer), weight decay
     added to the gradient, no dampening or Nesterov.
@@ -63,7 +74,7 @@ class LBSGD(mx.optimizer.Optimizer):
     momentum : float in [0, 1)
     multi_precision : bool
         Keep fp32 master weights (and fp32 momentum) for float16 weights.
-    warmup_strategy : {'linear', 'power2', 'sqrt', 'lars'}
+    warmup_strategy : one of `mx_lbsgd.WARMUP_STRATEGIES` ('linear', 'power2', 'sqrt', 'lars')
     warmup_epochs : float >= 0
     batch_scale : int >= 1
         Micro-batches per update; also the final learning-rate multiplier of the warmup.
@@ -84,15 +95,17 @@ class LBSGD(mx.optimizer.Optimizer):
         A sequence gives name suffixes; names come from ``param_dict`` (Gluon) or
         ``param_idx2name`` (Module). Use a module-level function to keep it picklable.
     fused : None or bool
-        Kernel path: None picks fused multi-tensor kernels on GPU and per-tensor kernels on
-        CPU (faster there, as measured); ``$MX_LBSGD_FUSED=0/1`` overrides None.
+        Kernel path: None runs per-tensor kernels for big tensors and fused multi-tensor
+        kernels for small ones (see ``_kernels.route``); True/False force one path.
+        ``$MX_LBSGD_FUSED=0/1`` overrides None.
     loss_scaler : None, float or DynamicLossScaler
         None: no loss scaling. Otherwise the gradients carry ``loss_scaler.scale`` (scale the
         loss by it before ``backward()``): each step is checked for inf/NaN over all its
         gradients (one host read), skipped as a whole on overflow, and unscaled inside the
         update kernel (``rescale_grad / scale``); ``loss_scaler.update`` runs once per step.
-        With ``batch_scale > 1`` every micro-batch is a loss-scaling step and is unscaled as
-        it is accumulated, so the scale may change inside a window.
+        Under a Trainer with ``batch_scale > 1`` a step is a whole window (an overflow in
+        any micro-batch skips the window on every worker); elsewhere every micro-batch is
+        a loss-scaling step, unscaled as it is accumulated.
     count_skipped_steps : bool, default False
         Whether a skipped step advances ``num_update`` (what ``lr_scheduler`` sees). Warmup
         and accumulation counters never advance on a skipped step.
@@ -115,7 +128,7 @@ class LBSGD(mx.optimizer.Optimizer):
         check_real('lars_eta', lars_eta, 0.0, open_min=True)
         check_real('lars_eps', lars_eps, 0.0)
         check_real('lars_min', lars_min, 0.0)
-        check_real('lars_max', lars_max, 0.0)
+        check_real('lars_max', lars_max, 0.0, allow_inf=True)
         if lars_min > lars_max:
             raise ValueError('lars_min must be <= lars_max; got lars_min=%r, lars_max=%r'
                              % (lars_min, lars_max))
@@ -124,14 +137,14 @@ class LBSGD(mx.optimizer.Optimizer):
                     and all(isinstance(s, str) for s in lars_exclude))):
             raise TypeError('lars_exclude must be None, a list of name suffixes or a '
                             'callable(name) -> bool; got %r' % (lars_exclude,))
-        if fused not in (None, True, False):
-            raise ValueError('fused=%r is not supported; expected one of (None, True, False)'
-                             % (fused,))
-        _kernels.use_fused(fused, mx.cpu())     # validates $MX_LBSGD_FUSED
+        check_choice('fused', fused, (None, True, False))
+        _check_real_kwargs(kwargs)
+        fused = _fused_from_env(fused)
         if loss_scaler is not None:
             loss_scaler = _as_scaler(loss_scaler)
-            _refuse_kvstore_updates(type(self).__name__)
-        self._gate = _StepGate(fused)
+            if _compat.creating_module_updates_on_kvstore():
+                raise ValueError(_scaling.KVSTORE_REFUSAL % type(self).__name__)
+        self._gate = _scaling._StepGate(fused)
         super().__init__(multi_precision=multi_precision, **kwargs)
         self.momentum = float(momentum)
         self.warmup_strategy = warmup_strategy
@@ -152,9 +165,7 @@ class LBSGD(mx.optimizer.Optimizer):
         # The Updater hands over every parameter of a dtype at once; kernels chunk by 60.
         self.aggregate_num = 1 << 30
         self._scratch = {}
-        self._ledger = _Ledger(self)
-        self._token = uuid.uuid4().hex     # shared by every unpickled copy of this optimizer
-        self._adopted = set()
+        self._plans = {}
         self.loss_scaler = loss_scaler
         self.count_skipped_steps = bool(count_skipped_steps)
         self.scale_key = str(scale_key)
@@ -163,6 +174,11 @@ class LBSGD(mx.optimizer.Optimizer):
         self.last_step_skipped = False
         self._skipped_updates = 0
         self._kvstore_refusal = None
+        # accumulation at a Trainer's reduction: None (this optimizer accumulates),
+        # 'partial' (a micro-batch summed locally, not reduced) or 'final' (the window's
+        # mean, reduced once); set by the Trainer glue each step
+        self.window_phase = None
+        self.window_position = 0
 
     @property
     def rescale_grad(self):
@@ -170,12 +186,28 @@ class LBSGD(mx.optimizer.Optimizer):
 
     @rescale_grad.setter
     def rescale_grad(self, value):
-        # gluon.Trainer sets rescale_grad at the start of every step and update.
+        # gluon.Trainer.step/update set rescale_grad first thing: the firm start of a step
         if self.__dict__.get('_kvstore_refusal'):
             raise ValueError(self._kvstore_refusal)
         self._rescale_grad = value
-        if '_gate' in self.__dict__:
-            self._gate.new_step(self._fresh_grads())
+        if '_gate' not in self.__dict__ or 'param_dict' not in self.__dict__:
+            return
+        trainer = _compat.trainer_of(self.param_dict)
+        if trainer is None or not _compat.trainer_is_built(trainer):
+            return
+        if self.loss_scaler is not None:
+            self._refuse_kvstore_updates(trainer)
+            self._gate.new_step(_compat.fresh_gradients(self.param_dict))
+        for hook in _TRAINER_STEP_HOOKS:
+            hook(trainer, self)
+
+    def _refuse_kvstore_updates(self, trainer):
+        if _compat.trainer_kvstore_requested_updates(trainer) is not True:
+            _compat.init_trainer_kvstore(trainer)
+            if not _compat.trainer_updates_on_kvstore(trainer):
+                return
+        self._kvstore_refusal = _scaling.KVSTORE_REFUSAL % type(self).__name__
+        raise ValueError(self._kvstore_refusal)
 
     # -- state -------------------------------------------------------------------------
     def _uses_master(self, weight):
@@ -199,29 +231,28 @@ class LBSGD(mx.optimizer.Optimizer):
         return state
 
     def _make_state(self, weight, dtype, master):
-        """MXNet SGD's layout (mom, or mom and weight_fp32), then an accumulator when
-        batch_scale > 1, then the optimizer's `_Ledger` (see there)."""
+        """MXNet SGD's layout (mom, or (mom, weight_fp32)), then an accumulator when
+        batch_scale > 1."""
         mom = (nd.zeros(weight.shape, weight.context, dtype=dtype)
                if self.momentum != 0.0 else None)
         parts = [mom] if master is None else [mom, master]
         if self.batch_scale > 1:
             acc_dtype = np.promote_types(weight.dtype, np.float32)
             parts.append(nd.zeros(weight.shape, weight.context, dtype=acc_dtype))
-        return tuple(parts) + (self._ledger,)
+        return parts[0] if len(parts) == 1 else tuple(parts)
 
-    def _split_state(self, weight, state):
-        """(momentum, master copy or None, accumulator or None, ledger or None).
-
-        Also reads MXNet's SGD / LBSGD layout (a momentum, or (momentum, weight_fp32)),
-        e.g. states saved by MXNet's built-in LBSGD."""
-        ledger = None
-        if isinstance(state, tuple) and state and isinstance(state[-1], _Ledger):
-            ledger, state = state[-1], state[:-1]
-        elif not isinstance(state, tuple):
-            state = (state,)
+    def split_state(self, weight, state):
+        """(momentum or None, master copy or None, accumulator or None) of a state in this
+        optimizer's layout; states of MXNet's SGD/LBSGD fit it at batch_scale=1."""
         master = self._uses_master(weight)
+        parts = state if isinstance(state, tuple) else (state,)
         want = 1 + master + (self.batch_scale > 1)
-        if len(state) != want or (state[0] is None) != (self.momentum == 0.0):
+        if parts and isinstance(parts[-1], _Ledger):
+            raise ValueError(
+                'these optimizer states were written by mx_lbsgd 0.1 (each state ends with '
+                'its optimizer); load the file with mx_lbsgd.checkpoint.load_states(target, '
+                'path), which converts it to MXNet\'s SGD layout and keeps the counters')
+        if len(parts) != want or (parts[0] is None) != (self.momentum == 0.0):
             raise ValueError(
                 'optimizer state of shape %s does not fit %s(momentum=%g, multi_precision=%s, '
                 'batch_scale=%d): it holds %d arrays (momentum %s), this optimizer needs %d. '
@@ -229,30 +260,36 @@ class LBSGD(mx.optimizer.Optimizer):
                 'same momentum and multi_precision; otherwise start from fresh optimizer '
                 'states (skip load_states / load_optimizer_states)'
                 % (weight.shape, type(self).__name__, self.momentum, self.multi_precision,
-                   self.batch_scale, len(state), 'absent' if state[0] is None else 'present',
+                   self.batch_scale, len(parts), 'absent' if parts[0] is None else 'present',
                    want))
-        return (state[0], state[1] if master else None,
-                state[-1] if self.batch_scale > 1 else None, ledger)
+        return (parts[0], parts[1] if master else None,
+                parts[-1] if self.batch_scale > 1 else None)
 
-    def _adopt(self, ledger):
-        """Take over the counters and loss-scaler state carried by states that were saved
-        without the optimizer (Module.save_optimizer_states) and loaded into this one."""
-        old = ledger.opt
+    # -- progress (counters and loss scale), for checkpoints -----------------------------
+    def progress(self):
+        """Counters and loss-scaler state: what resuming bit for bit needs besides the
+        per-parameter states (plain Python values)."""
+        return {'index_update_counts': {k: dict(v) for k, v in
+                                        self._all_index_update_counts.items()},
+                'num_update': self.num_update, 'skipped_updates': self._skipped_updates,
+                'window_position': self.window_position,
+                'loss_scaler': (None if self.loss_scaler is None
+                                else self.loss_scaler.state_dict())}
+
+    def load_progress(self, progress):
+        """Resume the counters and loss-scale state of `progress()` (in place: objects that
+        hold this optimizer's scaler keep seeing the live one)."""
+        counts = {int(k): {i: int(n) for i, n in v.items()}
+                  for k, v in progress['index_update_counts'].items()}
+        if self.loss_scaler is not None and progress.get('loss_scaler') is not None:
+            self.loss_scaler.load_state_dict(progress['loss_scaler'])
         current = next((k for k, v in self._all_index_update_counts.items()
                         if v is self._index_update_count), 0)
-        self._all_index_update_counts = old._all_index_update_counts
+        self._all_index_update_counts = counts or {0: {}}
         self._index_update_count = self._all_index_update_counts.setdefault(current, {})
-        self.num_update = old.num_update
-        self._skipped_updates = old._skipped_updates
-        if self.loss_scaler is not None and old.loss_scaler is not None:
-            # this step's gradients carry the scale served to scale_gradient ops when the
-            # backward ran
-            self._gate.scale_override = _graph_scale.served(self.scale_key,
-                                                            self.loss_scaler).scale
-            self.loss_scaler.load_state_dict(old.loss_scaler.state_dict())
-            _graph_scale.serve(self.scale_key, self.loss_scaler)
-        self._adopted.add(getattr(old, '_token', None))
-        ledger.opt = self
+        self.num_update = int(progress['num_update'])
+        self._skipped_updates = int(progress['skipped_updates'])
+        self.window_position = int(progress.get('window_position', 0))
 
     # -- update ------------------------------------------------------------------------
     def _name(self, index):
@@ -261,6 +298,14 @@ class LBSGD(mx.optimizer.Optimizer):
         return self.idx2name.get(index, str(index))
 
     def _lars_applies(self, index):
+        if not self.param_dict and not self.idx2name and self.lars_exclude:
+            raise ValueError(
+                "warmup_strategy='lars' needs parameter names to leave %r out of LARS, and "
+                'this optimizer has none (horovod\'s DistributedOptimizer keeps the names '
+                'Module gives it to itself). Create it with param_idx2name={index: name}, '
+                'e.g. dict(enumerate(n for n in sym.list_arguments() if n not in '
+                'data_names + label_names)), or pass lars_exclude=() to apply LARS to every '
+                'layer' % (self.lars_exclude,))
         name = self._name(index)
         if callable(self.lars_exclude):
             return not self.lars_exclude(name)
@@ -277,56 +322,48 @@ class LBSGD(mx.optimizer.Optimizer):
                 raise TypeError("LBSGD supports only dense ('default') weights and gradients;"
                                 " parameter %s has weight stype %r, gradient stype %r"
                                 % (self._name(i), w.stype, g.stype))
-        last = state[0][-1] if isinstance(state[0], tuple) and state[0] else None
-        if isinstance(last, _Ledger) and last.opt is not self:
-            # Trainer.load_states unpickles once per device: copies of the same optimizer
-            # (or of one already adopted) carry nothing new
-            if getattr(last.opt, '_token', None) in self._adopted | {self._token}:
-                last.opt = self
-            else:
-                self._adopt(last)
+        if self.window_phase == 'partial':
+            self._update_count(index)      # summed at the Trainer; nothing to apply yet
+            return
         if self.loss_scaler is None:
             self._apply(index, weight, grad, state, unscale=1.0)
             return
-        if self._updates_on_kvstore(index, weight):
-            return
+        if isinstance(index[0], str):     # Module's kvstore updater passes parameter names
+            self._kvstore_refusal = _scaling.KVSTORE_REFUSAL % type(self).__name__
+            raise ValueError(self._kvstore_refusal)
         runs = self._gate.submit([(w.context, i) for i, w in zip(index, weight)], grad,
-                                 (index, weight, grad, state), self.loss_scaler)
+                                 (index, weight, grad, state), self.loss_scaler,
+                                 self._gradient_scale())
         for call, apply_ in runs:
             self.last_step_skipped = not apply_
             if apply_:
-                self._apply(*call, unscale=1.0 / self._gate.scale)
-        if runs and self._gate.skip and self.count_skipped_steps and not self._gate.counted:
+                self._apply(*call, unscale=_scaling.unscale_factor(self._gate.scale))
+            elif self.window_phase == 'final':
+                self._rewind_window(call[0])
+        if runs and self._gate.skip and not self._gate.counted:
             self._gate.counted = True
-            self._skipped_updates += 1
-            self.num_update += 1
+            self._count_skipped_step()
+        _graph_scale.serve(self.scale_key, self.loss_scaler)
 
-    def _fresh_grads(self):
-        """All fresh gradients of a gluon Trainer's parameters, on every device."""
-        grads = []
-        if self.__dict__.get('loss_scaler') is None:
-            return grads
-        for param in self.__dict__.get('param_dict', {}).values():
-            if param.grad_req == 'null' or param._data is None:
-                continue
-            grads += [g for d, g in zip(param.list_data(), param.list_grad()) if d._fresh_grad]
-        return grads
+    def _gradient_scale(self):
+        """The scale this step's gradients carry: Gluon scales the loss by the optimizer's
+        scaler; a Module graph by the scaler its scale_gradient op was served when backward
+        ran (another optimizer's, right after Module.load_optimizer_states)."""
+        if self.param_dict:
+            return self.loss_scaler.scale
+        return _graph_scale.served(self.scale_key, self.loss_scaler).scale
 
-    def _updates_on_kvstore(self, index, weight):
-        """Detects a kvstore updating key by key (update_on_kvstore=True), where a step
-        cannot be skipped as a whole; refuses it and skips every such update."""
-        if self._kvstore_refusal is None:
-            # a kvstore calls with one key: a str (Module) or an index whose weight is the
-            # kvstore's own copy, not one of the parameter's arrays (Gluon)
-            i, w = index[0], weight[0]
-            param = self.param_dict.get(i)
-            by_kvstore = isinstance(i, str) or (
-                param is not None and param._data is not None
-                and all(_handle(w) != _handle(d) for d in param.list_data()))
-            if not by_kvstore:
-                return False
-            self._kvstore_refusal = _KVSTORE_REFUSAL % type(self).__name__
-        raise ValueError(self._kvstore_refusal)
+    def _count_skipped_step(self):
+        window = self.batch_scale if self.window_phase == 'final' else 1
+        if self.window_phase == 'final':
+            self.num_update -= window - 1    # its micro-batches were counted as they came
+        if self.count_skipped_steps:
+            self._skipped_updates += window
+            self.num_update += window
+
+    def _rewind_window(self, index):
+        for i in index:
+            self._index_update_count[i] -= self.batch_scale - 1
 
     def _update_count(self, index):
         super()._update_count(index)
@@ -334,42 +371,77 @@ class LBSGD(mx.optimizer.Optimizer):
             top = max(self._index_update_count[i] for i in index)
             self.num_update = max(self.num_update, top + self._skipped_updates)
 
+    def _plan(self, index, weight, state):
+        """Per call signature, computed once: the state parts, the kernel routes and the
+        LARS exclusions (states are re-split when the Updater's state objects change)."""
+        key = (weight[0].context, tuple(index))
+        plan = self._plans.get(key)
+        if plan is not None and all(a is b for a, b in zip(plan['state'], state)):
+            return plan
+        parts = [self.split_state(w, s) for w, s in zip(weight, state)]
+        groups = {}
+        for j, w in enumerate(weight):
+            groups.setdefault((w.dtype, parts[j][1] is None), []).append(j)
+        routes = []
+        for members in groups.values():
+            single, multi = _kernels.route([weight[j].size for j in members],
+                                           weight[0].context.device_type, self.fused)
+            routes += [(_kernels._single_tensor_sgd, [members[p] for p in single]),
+                       (_kernels._multi_tensor_sgd, [members[p] for p in multi])]
+        lars = self.warmup_strategy == 'lars'
+        plan = {'state': list(state), 'moms': [p[0] for p in parts],
+                'masters': [p[1] for p in parts], 'accs': [p[2] for p in parts],
+                'routes': [(fn, pos) for fn, pos in routes if pos],
+                'keep_lr': [not self._lars_applies(i) for i in index] if lars else None}
+        self._plans[key] = plan
+        return plan
+
     def _apply(self, index, weight, grad, state, unscale):
         self._update_count(index)
         B = self.batch_scale
-        steps = [self._index_update_count[i] - self.begin_num_update for i in index]
-        parts = [self._split_state(w, s) for w, s in zip(weight, state)]
-        if B > 1:
+        plan = self._plan(index, weight, state)
+        edge = self.window_phase is not None
+        if B > 1 and not edge:
+            steps = [self._index_update_count[i] - self.begin_num_update for i in index]
             for first in (True, False):
                 pick = [j for j, k in enumerate(steps) if (k % B == 1) == first]
                 if pick:
-                    _kernels.accumulate(accs=[parts[j][2] for j in pick],
+                    _kernels.accumulate(accs=[plan['accs'][j] for j in pick],
                                         grads=[grad[j] for j in pick], first=first,
-                                        scratch=self._scratch,
-                                        factor=self.rescale_grad * unscale)
-        due = [j for j, k in enumerate(steps) if k % B == 0]
-        if not due:
-            return
-        lrs = self._get_lrs([index[j] for j in due])
-        wds = self._get_wds([index[j] for j in due])
-        lars = None
-        if self.warmup_strategy == 'lars':
-            lars = dict(apply=[self._lars_applies(index[j]) for j in due], eta=self.lars_eta,
-                        eps=self.lars_eps, lars_min=self.lars_min, lars_max=self.lars_max)
+                                        factor=self.rescale_grad * unscale,
+                                        scratch=self._scratch)
+            if any(k % B for k in steps):
+                if not all(k % B for k in steps):
+                    raise RuntimeError('parameters of one call are at different positions '
+                                       'of the accumulation window: %s' % (steps,))
+                return
+            grad = plan['accs']
+            rescale = 1.0 / B     # already rescaled and unscaled, micro-batch by micro-batch
         else:
+            rescale = self.rescale_grad * unscale   # at a Trainer: the window's mean
+        lrs = self._get_lrs(index)
+        wds = self._get_wds(index)
+        lars = plan['keep_lr'] is not None and not all(plan['keep_lr'])
+        if plan['keep_lr'] is None:
             W = self.warmup_epochs * self.updates_per_epoch
-            lrs = [lr * warmup_multiplier(self.init_updates + steps[j], W, B,
+            lrs = [lr * warmup_multiplier(self.init_updates + self._index_update_count[i]
+                                          - self.begin_num_update, W, B,
                                           self.warmup_strategy)
-                   for lr, j in zip(lrs, due)]
-        _kernels.sgd(weights=[weight[j] for j in due],
-                     grads=[grad[j] if B == 1 else parts[j][2] for j in due],
-                     moms=[parts[j][0] for j in due], masters=[parts[j][1] for j in due],
-                     lrs=lrs, wds=wds, momentum=self.momentum,
-                     # accumulated gradients are already rescaled and unscaled, micro-batch
-                     # by micro-batch (rescale_grad and the loss scale may change in a window)
-                     rescale_grad=self.rescale_grad * unscale if B == 1 else 1.0 / B,
-                     clip_gradient=self.clip_gradient,
-                     fused=self.fused, scratch=self._scratch, lars=lars)
+                   for lr, i in zip(lrs, index)]
+        for kernel, pos in plan['routes']:
+            pick = lambda seq: [seq[j] for j in pos]   # noqa: E731
+            weights, grads, masters = pick(weight), pick(grad), pick(plan['masters'])
+            lr_vector = None
+            if lars:
+                lr_vector = _kernels.lars_lrs(
+                    weights=[m if m is not None else w for w, m in zip(weights, masters)],
+                    grads=grads, lrs=pick(lrs), wds=pick(wds), keep_lr=pick(plan['keep_lr']),
+                    eta=self.lars_eta, eps=self.lars_eps, rescale_grad=rescale,
+                    lars_min=self.lars_min, lars_max=self.lars_max)
+            kernel(weights=weights, grads=grads, moms=pick(plan['moms']), masters=masters,
+                   lrs=pick(lrs), wds=pick(wds), lr_vector=lr_vector,
+                   momentum=self.momentum, rescale_grad=rescale,
+                   clip_gradient=self.clip_gradient, scratch=self._scratch)
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -377,62 +449,40 @@ class LBSGD(mx.optimizer.Optimizer):
         state['idx2name'] = dict(self.idx2name)
         state['idx2name'].update((i, p.name) for i, p in self.param_dict.items())
         state['_scratch'] = {}
-        state['_gate'] = _StepGate(self.fused)
+        state['_plans'] = {}
+        state['_gate'] = _scaling._StepGate(self.fused)
+        state['window_phase'] = None     # set afresh by the Trainer glue at every step
         return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        # Module.load_optimizer_states unpickles the saved optimizer with the states: its
-        # scaler serves scale_gradient until the next update adopts it (bit-identical resume)
-        if self.loss_scaler is not None:
-            _graph_scale.serve(self.scale_key, self.loss_scaler)
 
     def __reduce_ex__(self, protocol):
         # kvstore.set_optimizer pickles with protocol 0 to send the optimizer to the
         # servers of a dist kvstore, which then update key by key.
         if protocol == 0 and self.loss_scaler is not None:
-            raise ValueError(_KVSTORE_REFUSAL % type(self).__name__)
+            raise ValueError(_scaling.KVSTORE_REFUSAL % type(self).__name__)
         return super().__reduce_ex__(protocol)
 
 
 class _Ledger:
-    """One per optimizer, the last element of every state it creates. MXNet's Module saves
-    the states without the optimizer; through this reference the pickled states carry the
-    optimizer (its warmup/accumulation counters, num_update and loss-scaler state), which
-    the optimizer that loads them adopts at its next update."""
+    """The last element of every state written by mx_lbsgd 0.1 (a reference to the
+    optimizer). Kept so that such files unpickle; `checkpoint.load_states` converts them."""
 
-    def __init__(self, opt):
+    def __init__(self, opt=None):
         self.opt = opt
 
 
-_KVSTORE_REFUSAL = (
-    '%s with a loss_scaler cannot run with update_on_kvstore=True: the kvstore updates '
-    'each parameter as soon as its gradient arrives, so an overflow step cannot be skipped '
-    'as a whole. Use gluon.Trainer(..., update_on_kvstore=False), or for Module set the '
-    'environment variable MXNET_UPDATE_ON_KVSTORE=0')
+def _fused_from_env(fused):
+    """`fused`, or $MX_LBSGD_FUSED ('0' or '1') when fused is None."""
+    import os
+    env = os.environ.get('MX_LBSGD_FUSED', '')
+    if fused is not None or not env:
+        return fused
+    check_choice('MX_LBSGD_FUSED', env, ('0', '1'))
+    return env == '1'
 
 
-def _handle(array):
-    return array.handle.value
-
-
-def _refuse_kvstore_updates(name):
-    """Refuse update_on_kvstore=True where the optimizer is created: in Module.init_optimizer
-    (which decides it first) or in gluon.Trainer(update_on_kvstore=True). Later, inside the
-    kvstore's updater callback, ctypes would swallow the exception."""
-    frame = sys._getframe(1)
-    for _ in range(8):
-        frame = frame.f_back
-        if frame is None:
-            return
-        local = frame.f_locals
-        owner = local.get('self')
-        if (frame.f_code.co_name == 'init_optimizer' and isinstance(owner, mx.module.BaseModule)
-                and 'update_on_kvstore' in local):
-            if local['update_on_kvstore'] and local.get('kvstore') is not None:
-                raise ValueError(_KVSTORE_REFUSAL % name)
-            return
-        if frame.f_code.co_name == '__init__' and isinstance(owner, mx.gluon.Trainer):
-            if local.get('update_on_kvstore'):
-                raise ValueError(_KVSTORE_REFUSAL % name)
-            return
+def _check_real_kwargs(kwargs):
+    """NaN or infinite values of the base Optimizer's real-valued arguments."""
+    for name in ('learning_rate', 'wd', 'rescale_grad', 'clip_gradient'):
+        value = kwargs.get(name)
+        if value is not None:
+            check_real(name, value)

@@ -66,7 +66,7 @@ class DynamicLossScaler:
         check_int('growth_interval', growth_interval, 1)
         check_int('hysteresis', hysteresis, 1)
         check_real('min_scale', min_scale, 0.0, math.inf, open_min=True, open_max=True)
-        check_real('max_scale', max_scale, 0.0, open_min=True)
+        check_real('max_scale', max_scale, 0.0, open_min=True, allow_inf=True)
         if min_scale > max_scale:
             raise ValueError('min_scale must be <= max_scale; got min_scale=%r, max_scale=%r'
                              % (min_scale, max_scale))

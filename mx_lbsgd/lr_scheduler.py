@@ -21,7 +21,7 @@ class WarmupScheduler(mx.lr_scheduler.LRScheduler):
 
     def __init__(self, base_lr=0.01, warmup_steps=0, strategy='linear', warmup_begin_lr=0.0,
                  decay=None, max_update=None, final_lr=0.0, power=2.0):
-        check_choice('strategy', strategy, WARMUP_SHAPES)
+        check_choice('strategy', strategy, tuple(WARMUP_SHAPES))
         check_choice('decay', decay, (None, 'poly', 'cosine'))
         check_int('warmup_steps', warmup_steps, 0)
         check_real('base_lr', base_lr, 0.0)

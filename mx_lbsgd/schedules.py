@@ -1,30 +1,30 @@
-"""Pure warmup math, shared by the optimizers, the LR schedulers and the CLI.
+"""Pure warmup math, shared by the optimizers, the LR schedulers, the CLI and the docs.
 
 Nothing here imports mxnet: every function is a plain function of its arguments.
+`WARMUP_SHAPES` is the one registry of warmup shapes: a new strategy is one entry here
+(plus its test); the optimizers, the CLI choices and the docs table read it.
 """
 import math
 
 from ._checks import check_choice
 
-WARMUP_STRATEGIES = ('linear', 'power2', 'sqrt', 'lars')
-WARMUP_SHAPES = ('linear', 'power2', 'sqrt')
+#: name -> (f(t) for t in [0, 1] the fraction of the warmup done, the formula as text)
+WARMUP_SHAPES = {
+    'linear': (lambda t: t, 't'),
+    'power2': (lambda t: t * t, 't ** 2'),
+    'sqrt': (math.sqrt, 'sqrt(t)'),
+}
+#: Every `LBSGD` warmup strategy: the shapes, and 'lars' (per-layer rates, no warmup shape).
+WARMUP_STRATEGIES = tuple(WARMUP_SHAPES) + ('lars',)
 
 
 def warmup_fraction(step, warmup_steps, mode):
-    """Fraction of the warmup done after `step` steps: f(min(step / warmup_steps, 1)).
-
-    f is t (linear), t**2 (power2) or sqrt(t) (sqrt). With warmup_steps <= 0 the warmup
-    is already over and the fraction is 1.
-    """
-    check_choice('mode', mode, WARMUP_SHAPES)
+    """Fraction of the warmup done after `step` steps: f(min(step / warmup_steps, 1)), f
+    from `WARMUP_SHAPES`. With warmup_steps <= 0 the warmup is already over (1)."""
+    check_choice('mode', mode, tuple(WARMUP_SHAPES))
     if warmup_steps <= 0 or step >= warmup_steps:
         return 1.0
-    t = max(float(step), 0.0) / float(warmup_steps)
-    if mode == 'linear':
-        return t
-    if mode == 'power2':
-        return t * t
-    return math.sqrt(t)
+    return WARMUP_SHAPES[mode][0](max(float(step), 0.0) / float(warmup_steps))
 
 
 def warmup_multiplier(step, warmup_steps, max_mult, mode):
@@ -39,6 +39,15 @@ def warmup_multiplier(step, warmup_steps, max_mult, mode):
     and equals `max_mult` once step >= warmup_steps.
     """
     return 1.0 + (float(max_mult) - 1.0) * warmup_fraction(step, warmup_steps, mode)
+
+
+def strategy_table():
+    """Markdown rows `| strategy | multiplier |` for the docs, read from the registry."""
+    rows = ['| strategy | lr multiplier at micro-batch n (t = n / W) |', '|---|---|']
+    rows += ['| `%s` | `1 + (B - 1) * %s` |' % (name, text)
+             for name, (_, text) in WARMUP_SHAPES.items()]
+    rows.append('| `lars` | `clip(eta * |w| / (|g| + wd * |w| + eps), lars_min, lars_max)` |')
+    return '\n'.join(rows)
 
 
 def decay_fraction(step, begin, end, mode, power=2.0):

@@ -19,15 +19,15 @@ def make_problem(steps, shapes=SHAPES, seed=0, grad_scale=0.1, zero_grad=(2, 1))
     return weights, grads
 
 
-def run_optimizer(opt, weights, grads, dtype, ctx=mx.cpu()):
-    """Run `opt` through MXNet's Updater (as Gluon and Module do); return the weights,
-    the updater and the NDArrays."""
+def run_optimizer(opt, weights, grads, dtype, ctx=mx.cpu(), read=True):
+    """Run `opt` through MXNet's Updater (as Gluon and Module do); return the weights
+    (NDArrays when not `read`), the updater and the NDArrays."""
     updater = mx.optimizer.get_updater(opt)
     w_nd = [mx.nd.array(w, ctx=ctx, dtype=dtype) for w in weights]
-    for step in grads:
-        g_nd = [mx.nd.array(g, ctx=ctx, dtype=dtype) for g in step]
+    g_steps = [[mx.nd.array(g, ctx=ctx, dtype=dtype) for g in step] for step in grads]
+    for g_nd in g_steps:
         updater(list(range(len(w_nd))), g_nd, w_nd)
-    return [w.asnumpy() for w in w_nd], updater, w_nd
+    return ([w.asnumpy() for w in w_nd] if read else list(w_nd)), updater, w_nd
 
 
 def digits(test_fraction=0.25, seed=0):

@@ -79,8 +79,7 @@ def module(name, params):
 
 
 @pytest.mark.parametrize('name, params', OPTIMIZERS)
-@pytest.mark.parametrize('loader', ['mx_lbsgd', 'mxnet'])
-def test_module_save_checkpoint_resumes_bit_identical(tmp_path, name, params, loader):
+def test_module_save_checkpoint_resumes_bit_identical(tmp_path, name, params):
     mod_a, train = module(name, params)
     mod_a.fit(train, num_epoch=3)
     mod_b, train = module(name, params)
@@ -92,10 +91,7 @@ def test_module_save_checkpoint_resumes_bit_identical(tmp_path, name, params, lo
                                             'run-symbol.json']
     mod_c, train = module(name, params)
     mod_c.load_params(prefix + '-0001.params')
-    if loader == 'mxnet':       # Module's own loader: counters adopted at the next update
-        mod_c.load_optimizer_states(prefix + '-0001.states')
-    else:
-        checkpoint.load_states(mod_c, prefix + '-0001.states')
+    checkpoint.load_states(mod_c, prefix + '-0001.states')
     mod_c.fit(train, num_epoch=3, begin_epoch=1)
     for key, value in mod_a.get_params()[0].items():
         np.testing.assert_array_equal(mod_c.get_params()[0][key].asnumpy(), value.asnumpy())
@@ -103,6 +99,60 @@ def test_module_save_checkpoint_resumes_bit_identical(tmp_path, name, params, lo
     if name == 'lssgd':
         assert (mod_c._optimizer.loss_scaler.state_dict()
                 == mod_a._optimizer.loss_scaler.state_dict())
+
+
+@pytest.mark.parametrize('name, params', OPTIMIZERS)
+def test_module_own_save_load_keeps_states_like_mxnet(tmp_path, name, params):
+    """Module.save/load_optimizer_states write the per-parameter states only (MXNet's
+    layout): they come back exactly, the counters restart as with MXNet's optimizers."""
+    mod_b, train = module(name, params)
+    mod_b.fit(train, num_epoch=1)
+    mod_b.save_optimizer_states(str(tmp_path / 'mod.states'))
+    mod_c, train = module(name, params)
+    mod_c.load_optimizer_states(str(tmp_path / 'mod.states'))
+    saved, loaded = mod_b._updater.states, mod_c._updater.states
+    assert sorted(saved) == sorted(loaded)
+    for key in saved:
+        for a, b in zip(_arrays(saved[key]), _arrays(loaded[key])):
+            np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    mod_c.fit(train, num_epoch=2, begin_epoch=1)
+    assert mod_c._optimizer.num_update == 10 < mod_b._optimizer.num_update + 10
+
+
+def _arrays(state):
+    return [s for s in (state if isinstance(state, tuple) else (state,)) if s is not None]
+
+
+def test_states_interchangeable_with_mxnet_sgd(tmp_path):
+    """lbsgd states load into mx.optimizer.SGD (fine-tuning after large-batch training)
+    and SGD's load into lbsgd, through MXNet's own Trainer.save_states/load_states."""
+    for first, second in [('lbsgd', 'sgd'), ('sgd', 'lbsgd')]:
+        for dtype, mp in [('float32', False), ('float16', True)]:
+            params = [gluon.Parameter('p%d' % i, shape=(3 + i,), dtype=dtype)
+                      for i in range(3)]
+            for p in params:
+                p.initialize(mx.init.Uniform(1.0))
+            args = dict(learning_rate=0.1, momentum=0.9, multi_precision=mp)
+            a = gluon.Trainer(params, first, args, kvstore=None)
+            _square_steps(params, a, 2)
+            a.save_states(str(tmp_path / 'a.states'))
+            b = gluon.Trainer(params, second, args, kvstore=None)
+            b.load_states(str(tmp_path / 'a.states'))
+            for key, state in a._updaters[0].states.items():
+                for x, y in zip(_arrays(state), _arrays(b._updaters[0].states[key])):
+                    np.testing.assert_array_equal(x.asnumpy(), y.asnumpy())
+            before = [p.data().asnumpy() for p in params]
+            _square_steps(params, b, 2)
+            assert all(not np.array_equal(x, p.data().asnumpy())
+                       for x, p in zip(before, params))
+
+
+def _square_steps(params, trainer, n):
+    for _ in range(n):
+        with autograd.record():
+            loss = nd.add_n(*[p.data().astype('float32').square().sum() for p in params])
+        loss.backward()
+        trainer.step(1)
 
 
 def test_truncated_or_corrupted_file_gives_clear_error(tmp_path):
@@ -126,11 +176,11 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     checkpoint.save_states(trainer, path)
     before = open(path, 'rb').read()
 
-    def dies_mid_write(fname):
+    def dies_mid_write(fname, blob):
         with open(fname, 'wb') as f:
-            f.write(before[:100])
+            f.write(blob[:100])
         raise KeyboardInterrupt('killed mid-save')
-    monkeypatch.setattr(trainer, 'save_states', dies_mid_write)
+    monkeypatch.setattr(checkpoint, '_write_bytes', dies_mid_write)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_states(trainer, path)
     assert open(path, 'rb').read() == before
@@ -164,7 +214,7 @@ def test_states_from_mxnet_builtin_lbsgd(tmp_path, batch_scale, works):
 
 
 KILLED_SAVER = r'''
-import sys
+import sys, time
 sys.path.insert(0, sys.argv[2])
 import mxnet as mx
 from mx_lbsgd import checkpoint
@@ -178,26 +228,33 @@ def step():
     trainer.step(1)
 step()
 checkpoint.save_states(trainer, sys.argv[1])
-print('first save done', flush=True)
-while True:
-    step()
-    checkpoint.save_states(trainer, sys.argv[1])
+def half_then_wait(path, blob):        # the second save stops half-way through its write
+    with open(path, 'wb') as f:
+        f.write(blob[:len(blob) // 2])
+        f.flush()
+    print('mid-save', flush=True)
+    time.sleep(600)
+checkpoint._write_bytes = half_then_wait
+step()
+checkpoint.save_states(trainer, sys.argv[1])
 '''
 
 
 def test_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+    """SIGKILL while the file is half written (deterministically: the child waits there):
+    the previous checkpoint is intact and loads; an in-place save would leave half a file."""
     import signal
     import subprocess
     import sys
-    import time
     path = str(tmp_path / 'trainer.states')
     proc = subprocess.Popen([sys.executable, '-c', KILLED_SAVER, path,
                              os.path.dirname(os.path.abspath(__file__))],
                             stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == 'first save done'
-    time.sleep(1.0)                       # mid-way through one of many saves
+    assert proc.stdout.readline().strip() == 'mid-save'
+    first = open(path, 'rb').read()
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
+    assert open(path, 'rb').read() == first
     net = mlp(hidden=512)
     trainer = gluon.Trainer(net.collect_params(), 'lbsgd', dict(momentum=0.9), kvstore=None)
     checkpoint.load_states(trainer, path)       # never a half-written file

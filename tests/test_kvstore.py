@@ -143,15 +143,9 @@ def test_dist_server_side_loss_scaling_refused(tmp_path, cfg):
 
 
 def test_gluon_auto_update_on_kvstore_refused_before_any_update():
-    """Trainer(update_on_kvstore=None) with a device kvstore updates on the kvstore: the
-    first step's per-key updates are refused (inside the kvstore's callback, where ctypes
-    prints and swallows the error) and change nothing; the next step raises."""
+    """Trainer(update_on_kvstore=None) with a device kvstore would update on the kvstore:
+    the optimizer creates the Trainer's kvstore when the first step sets rescale_grad and
+    refuses there, before the kvstore could call it inside a ctypes callback."""
     cfg = config('gluon', 'lssgd', SCALED, steps=1, contexts=2, kvstore='device')
-    net = dist_worker.mlp()
-    before = [p.data().asnumpy() for p in net.collect_params().values()]
     with pytest.raises(ValueError, match='update_on_kvstore=False'):
-        dist_worker.train(dict(cfg, steps=2), mx.kv.create('device'))
-    weights, _ = dist_worker.train(cfg, mx.kv.create('device'))
-    for value, start in zip(sorted(weights.items()), sorted(zip(
-            [p.name.split('_', 1)[1] for p in net.collect_params().values()], before))):
-        np.testing.assert_array_equal(value[1], start[1])
+        dist_worker.train(cfg, mx.kv.create('device'))

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import mx_lbsgd
+from mx_lbsgd._syncs import count_host_syncs
 from harness import NAMES, SHAPES, make_problem, run_optimizer
 from reference import LBSGDReference
 
@@ -13,12 +14,15 @@ DTYPES = {  # id -> (weight dtype, multi_precision, rtol on weights)
     'fp64': ('float64', False, 1e-6),   # kernels take lr, wd, momentum as float32
     'fp16mp': ('float16', True, 2e-5),
 }
+PATH_IDS = {True: 'fused', False: 'pertensor', None: 'routed'}
+PATHS = [pytest.param(f, id=i) for f, i in PATH_IDS.items()]
 CASES = [
     pytest.param(dict(dtype=d, momentum=m, strategy=s, B=b, fused=f),
-                 id='%s-mom%s-%s-B%d-%s' % (d, m, s, b, 'fused' if f else 'pertensor'))
+                 id='%s-mom%s-%s-B%d-%s' % (d, m, s, b, PATH_IDS[f]))
     for d, m, s, b, f in itertools.product(DTYPES, (0.0, 0.9), mx_lbsgd.WARMUP_STRATEGIES,
-                                           (1, 4), (True, False))
+                                           (1, 4), (True, False, None))
 ]
+
 OPT_ARGS = dict(learning_rate=0.1, wd=1e-3, rescale_grad=0.5, clip_gradient=0.04,
                 warmup_epochs=3, updates_per_epoch=2, lars_eta=0.02)
 
@@ -33,7 +37,10 @@ def compare_with_reference(case, steps=8, shapes=SHAPES, names=NAMES, **extra):
     opt = mx_lbsgd.LBSGD(momentum=case['momentum'], warmup_strategy=case['strategy'],
                          batch_scale=case['B'], multi_precision=mp, fused=case['fused'],
                          param_idx2name=dict(enumerate(names)), **args)
-    got, updater, w_nd = run_optimizer(opt, weights, grads, dtype)
+    with count_host_syncs(include_waitall=False) as syncs:
+        got, updater, w_nd = run_optimizer(opt, weights, grads, dtype, read=False)
+    assert syncs == [], 'the update read values back to the host'
+    got = [w.asnumpy() for w in got]
     ref = LBSGDReference(weights, names, lr=args['learning_rate'], wd=args['wd'],
                          momentum=case['momentum'], strategy=case['strategy'], B=case['B'],
                          warmup_epochs=args['warmup_epochs'],
@@ -41,7 +48,8 @@ def compare_with_reference(case, steps=8, shapes=SHAPES, names=NAMES, **extra):
                          rescale=args['rescale_grad'], clip=args['clip_gradient'],
                          eta=args['lars_eta'], eps=args.get('lars_eps', 0.0),
                          lars_min=args.get('lars_min', 0.0),
-                         lars_max=args.get('lars_max', np.inf), wd_mults=_wd_mults(names))
+                         lars_max=args.get('lars_max', np.inf), wd_mults=_wd_mults(names),
+                         exclude=tuple(args.get('lars_exclude', ('bias', 'gamma', 'beta'))))
     for step in grads:
         ref.step(step)
     for i, (w, r) in enumerate(zip(got, ref.w)):
@@ -66,8 +74,7 @@ def test_matches_numpy_reference(case):
     compare_with_reference(case)
 
 
-@pytest.mark.parametrize('fused', [pytest.param(True, id='fused'),
-                                   pytest.param(False, id='pertensor')])
+@pytest.mark.parametrize('fused', PATHS)
 @pytest.mark.parametrize('strategy', ['linear', 'lars'])
 def test_more_tensors_than_one_kernel_takes(strategy, fused):
     shapes = [(3,), (2, 2), (5,)] * 45     # 135 tensors: three chunks of at most 60
@@ -76,11 +83,38 @@ def test_more_tensors_than_one_kernel_takes(strategy, fused):
     compare_with_reference(case, shapes=shapes, names=names)
 
 
-@pytest.mark.parametrize('fused', [pytest.param(True, id='fused'),
-                                   pytest.param(False, id='pertensor')])
-def test_lars_clip_range(fused):
-    case = dict(dtype='fp32', momentum=0.9, strategy='lars', B=1, fused=fused)
-    compare_with_reference(case, lars_eta=0.5, lars_min=0.3, lars_max=2.0, lars_eps=1e-3)
+LARS_VARIANTS = [
+    pytest.param(dict(lars_eta=0.5, lars_min=0.3, lars_max=2.0, lars_eps=1e-3), id='clipped'),
+    pytest.param(dict(lars_eta=0.5, lars_min=0.3), id='clip-below'),
+    pytest.param(dict(lars_eta=0.5, lars_max=0.8), id='clip-above'),
+    # every layer LARS-applied with the clip range open: multi_lars gives the rates directly
+    pytest.param(dict(lars_exclude=()), id='all-layers-open'),
+    pytest.param(dict(lars_exclude=(), rescale_grad=0.125), id='all-layers-rescaled'),
+    pytest.param(dict(lars_exclude=(), lars_max=1.5, lars_eta=0.5), id='all-layers-clipped'),
+]
+
+
+@pytest.mark.parametrize('fused', PATHS)
+@pytest.mark.parametrize('dtype', ['fp32', 'fp16mp'])
+@pytest.mark.parametrize('variant', LARS_VARIANTS)
+def test_lars_variants(variant, dtype, fused):
+    case = dict(dtype=dtype, momentum=0.9, strategy='lars', B=1, fused=fused)
+    compare_with_reference(case, **variant)
+
+
+MIXED_SHAPES = [(300, 200), (7,), (64, 3, 3, 3), (5, 4), (40000,), (1,)]
+MIXED_NAMES = ['fc0_weight', 'fc0_bias', 'conv0_weight', 'fc1_weight', 'emb_weight',
+               'bn_gamma']
+
+
+@pytest.mark.parametrize('strategy', mx_lbsgd.WARMUP_STRATEGIES)
+@pytest.mark.parametrize('dtype, B', [('fp32', 1), ('fp16mp', 4)])
+def test_routing_mixes_both_paths_in_one_step(strategy, dtype, B):
+    case = dict(dtype=dtype, momentum=0.9, strategy=strategy, B=B, fused=None)
+    _, updater = compare_with_reference(case, shapes=MIXED_SHAPES, names=MIXED_NAMES)
+    (plan,) = updater.optimizer._plans.values()
+    kernels = {fn.__name__: sorted(pos) for fn, pos in plan['routes']}
+    assert kernels == {'_single_tensor_sgd': [0, 4], '_multi_tensor_sgd': [1, 2, 3, 5]}
 
 
 def test_begin_epoch_offsets_the_warmup():
@@ -93,8 +127,7 @@ def test_begin_epoch_offsets_the_warmup():
     np.testing.assert_allclose(got[0], expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize('fused', [pytest.param(True, id='fused'),
-                                   pytest.param(False, id='pertensor')])
+@pytest.mark.parametrize('fused', PATHS)
 def test_fp16_gradients_above_256_keep_lars_finite(fused):
     """CPU multi_sum_sq squares fp16 in fp16 (inf above 256); our norms must not."""
     shapes = [(64, 32), (32,)]
@@ -169,6 +202,21 @@ BAD_ARGS = [
     pytest.param(dict(momentum=1.0), ValueError, 'momentum', id='momentum'),
     pytest.param(dict(lars_exclude=3), TypeError, 'lars_exclude', id='lars_exclude'),
     pytest.param(dict(fused='yes'), ValueError, 'fused', id='fused'),
+    pytest.param(dict(momentum=float('nan')), ValueError, 'momentum', id='momentum-nan'),
+    pytest.param(dict(warmup_epochs=float('inf')), ValueError, 'warmup_epochs',
+                 id='warmup_epochs-inf'),
+    pytest.param(dict(warmup_epochs=float('nan')), ValueError, 'warmup_epochs',
+                 id='warmup_epochs-nan'),
+    pytest.param(dict(lars_eta=float('inf')), ValueError, 'lars_eta', id='lars_eta-inf'),
+    pytest.param(dict(lars_eps=float('nan')), ValueError, 'lars_eps', id='lars_eps-nan'),
+    pytest.param(dict(lars_min=float('inf')), ValueError, 'lars_min', id='lars_min-inf'),
+    pytest.param(dict(lars_max=float('nan')), ValueError, 'lars_max', id='lars_max-nan'),
+    pytest.param(dict(learning_rate=float('nan')), ValueError, 'learning_rate', id='lr-nan'),
+    pytest.param(dict(wd=float('inf')), ValueError, 'wd', id='wd-inf'),
+    pytest.param(dict(rescale_grad=float('nan')), ValueError, 'rescale_grad',
+                 id='rescale-nan'),
+    pytest.param(dict(clip_gradient=float('nan')), ValueError, 'clip_gradient',
+                 id='clip-nan'),
 ]
 
 

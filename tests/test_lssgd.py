@@ -292,10 +292,19 @@ def test_registered_and_arguments():
         mx_lbsgd.LossScaledSGD(momentum=1.5)
 
 
-def test_trainer_update_on_kvstore_refused():
+@pytest.mark.parametrize('uok', [pytest.param(True, id='explicit'),
+                                 pytest.param(None, id='automatic')])
+def test_trainer_update_on_kvstore_refused_before_any_change(uok):
     params = make_params(3, ['float32'], CTX2)
+    trainer = gluon.Trainer(params, 'lssgd', SGD, kvstore='device', update_on_kvstore=uok)
+    before = weights(params)
+    backward(params, CTX2, 0, trainer.optimizer.loss_scaler.scale)
     with pytest.raises(ValueError, match='update_on_kvstore=False'):
-        gluon.Trainer(params, 'lssgd', SGD, kvstore='device', update_on_kvstore=True)
+        trainer.step(1)
+    with pytest.raises(ValueError, match='update_on_kvstore=False'):
+        trainer.step(1)
+    for a, b in zip(before, weights(params)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_hook_refuses_loss_scaled_optimizer():

@@ -11,7 +11,7 @@ from reference import warmup_lr, warmup_multiplier
 POINTS = [0, 1, 3, 7, 10, 11, 50]
 
 
-@pytest.mark.parametrize('mode', ['linear', 'power2', 'sqrt'])
+@pytest.mark.parametrize('mode', list(schedules.WARMUP_SHAPES))
 @pytest.mark.parametrize('W, B', [pytest.param(10, 8, id='W10-B8'),
                                   pytest.param(1, 4, id='W1-B4'),
                                   pytest.param(0, 4, id='W0-B4'),
@@ -19,8 +19,31 @@ POINTS = [0, 1, 3, 7, 10, 11, 50]
 def test_warmup_multiplier_matches_reference(mode, W, B):
     for n in POINTS:
         got = schedules.warmup_multiplier(n, W, B, mode)
-        assert got == pytest.approx(warmup_multiplier(n, W, B, mode) if W else B, rel=1e-12)
+        assert got == pytest.approx(warmup_multiplier(n, W, B, mode), rel=1e-12)
         assert got == schedules.warmup_multiplier(n, W, B, mode)   # pure
+
+
+@pytest.mark.parametrize('n, W, B, mode, expected', [
+    pytest.param(5, 10, 4, 'linear', 2.5, id='linear-half'),
+    pytest.param(5, 10, 4, 'power2', 1.75, id='power2-half'),
+    pytest.param(4, 16, 4, 'sqrt', 2.5, id='sqrt-quarter'),
+    pytest.param(0, 10, 8, 'sqrt', 1.0, id='start'),
+    pytest.param(10, 10, 8, 'power2', 8.0, id='end'),
+    pytest.param(99, 10, 8, 'linear', 8.0, id='after'),
+    pytest.param(3, 0, 6, 'linear', 6.0, id='no-warmup'),
+])
+def test_warmup_multiplier_closed_form(n, W, B, mode, expected):
+    assert schedules.warmup_multiplier(n, W, B, mode) == pytest.approx(expected, rel=1e-15)
+
+
+def test_every_registered_shape_has_a_reference():
+    """A strategy added to schedules.WARMUP_SHAPES needs its formula in tests/reference.py."""
+    for mode in schedules.WARMUP_SHAPES:
+        assert warmup_multiplier(5, 10, 3, mode) == pytest.approx(
+            schedules.warmup_multiplier(5, 10, 3, mode))
+    assert mx_lbsgd.WARMUP_STRATEGIES == tuple(schedules.WARMUP_SHAPES) + ('lars',)
+    table = schedules.strategy_table()
+    assert all('`%s`' % name in table for name in mx_lbsgd.WARMUP_STRATEGIES)
 
 
 @pytest.mark.parametrize('mode', ['linear', 'power2', 'sqrt'])

@@ -1,0 +1,186 @@
+"""Every use of MXNet's private internals, one function each.
+
+Each function says why the public API does not suffice. All were checked against MXNet
+1.9.1 (the version ``setup.py`` pins); none is used by the pure layers (``schedules``,
+``loss_scale``) or by ``_kernels``.
+"""
+import sys
+
+import mxnet as mx
+
+
+def trainer_of(param_dict):
+    """The gluon.Trainer that owns the optimizer's parameters, or None (Module, bare Updater).
+
+    Why: an Optimizer is never told which Trainer drives it. ``Trainer.__init__`` calls
+    ``param._set_trainer(self)`` on every parameter before it creates the optimizer with
+    ``param_dict``, and Parameter keeps that reference in ``_trainer``.
+    """
+    for param in param_dict.values():
+        return getattr(param, '_trainer', None)
+    return None
+
+
+def trainer_is_built(trainer):
+    """Whether ``Trainer.__init__`` has finished (``_kvstore_params`` is its last step's
+    input). Before that, optimizer attribute writes come from the constructor itself."""
+    return hasattr(trainer, '_kvstore_params')
+
+
+def init_trainer_kvstore(trainer):
+    """Create the Trainer's kvstore now (idempotent), so ``update_on_kvstore`` is decided.
+
+    Why: ``Trainer.step`` creates it lazily, after it has set ``rescale_grad``; a loss-scaled
+    optimizer must refuse updates on the kvstore before the kvstore calls it inside a ctypes
+    callback, which would swallow the exception.
+    """
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+
+
+def trainer_updates_on_kvstore(trainer):
+    """True when the Trainer's kvstore updates the weights (``update_on_kvstore``)."""
+    return bool(trainer._kvstore) and bool(trainer._update_on_kvstore)
+
+
+def trainer_kvstore_requested_updates(trainer):
+    """The ``update_on_kvstore`` argument the Trainer was created with (None: automatic)."""
+    return trainer._kvstore_params.get('update_on_kvstore')
+
+
+def init_trainer_params(trainer):
+    """Create the kvstore and push the initial weights (``Trainer.step`` does it lazily)."""
+    init_trainer_kvstore(trainer)
+    if trainer._params_to_init:
+        trainer._init_params()
+
+
+def trainer_updaters(trainer):
+    """The Trainer's per-device ``mx.optimizer.Updater`` objects (they own the states).
+
+    Why: ``Trainer.save_states`` writes only the first device's states; per-device
+    accumulators differ between devices before they are reduced.
+    """
+    return trainer._updaters
+
+
+def trainer_scale(trainer):
+    """The factor ``Trainer.step`` divides by the batch size to get ``rescale_grad``."""
+    return trainer._scale
+
+
+def wrap_trainer_allreduce(trainer, make_wrapper):
+    """Replace this Trainer's gradient reduction by ``make_wrapper(original)``, once.
+
+    Why: accumulating micro-batches before communicating needs a say in
+    ``Trainer.step``'s reduction, which only the private ``_allreduce_grads`` method gives
+    (horovod's DistributedTrainer overrides the same method, so this covers it too).
+    Returns False when the Trainer already carries a wrapper.
+    """
+    if getattr(trainer, '_mx_lbsgd_allreduce', None) is not None:
+        return False
+    original = trainer._allreduce_grads
+    trainer._mx_lbsgd_allreduce = original
+    trainer._allreduce_grads = make_wrapper(original)
+    return True
+
+
+def fresh_gradients(param_dict):
+    """Every gradient, on every device, that backward wrote since the last update.
+
+    Why: ``Trainer._update`` clears the ``_fresh_grad`` flags while it hands the gradients
+    to the per-device updaters, so a step-level decision must list them before that (from
+    the ``rescale_grad`` setter, which ``Trainer.step`` and ``Trainer.update`` call first).
+    """
+    grads = []
+    for param in param_dict.values():
+        if param.grad_req == 'null' or param._data is None:
+            continue
+        grads += [legacy(g) for d, g in zip(param.list_data(), param.list_grad())
+                  if is_fresh(d)]
+    return grads
+
+
+def legacy(array):
+    """A legacy ``mx.nd.NDArray`` view of an ``mx.np`` array (the ``multi_*`` and
+    ``all_finite`` operators accept only legacy arrays); legacy arrays pass through."""
+    as_nd = getattr(array, 'as_nd_ndarray', None)
+    return as_nd() if as_nd is not None else array
+
+
+def module_updater(mod):
+    """A bound Module's ``mx.optimizer.Updater`` (None when the kvstore updates)."""
+    return mod._updater
+
+
+def module_optimizer(mod):
+    return getattr(mod, '_optimizer', None)
+
+
+def module_kvstore(mod):
+    return mod._kvstore, mod._update_on_kvstore
+
+
+def creating_module_updates_on_kvstore():
+    """True when the optimizer under construction is being created by
+    ``Module.init_optimizer`` for a kvstore that will update the weights.
+
+    Why: Module decides ``update_on_kvstore`` before it creates the optimizer and never
+    tells it; a local kvstore then calls the optimizer inside a ctypes callback, where an
+    exception is printed and ignored. The only signal is ``init_optimizer``'s local
+    variables, read from the call stack (the one use of frame inspection in the package).
+    """
+    frame = sys._getframe(1)
+    for _ in range(10):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        local = frame.f_locals
+        if (frame.f_code.co_name == 'init_optimizer'
+                and isinstance(local.get('self'), mx.module.BaseModule)
+                and 'update_on_kvstore' in local):
+            return bool(local['update_on_kvstore']) and local.get('kvstore') is not None
+    return False
+
+
+def patch_operator_invoke(hook):
+    """Call ``hook(handle)`` for every imperative operator call made through ``mx.nd``;
+    returns a function that undoes it. For counting kernel launches in tests/benchmarks.
+
+    Why: MXNet has no public operator-call counter; every generated ``mx.nd`` operator goes
+    through ``mxnet.ndarray.register._imperative_invoke``.
+    """
+    from mxnet.ndarray import register
+    original = register._imperative_invoke
+
+    def counting(handle, *args, **kwargs):
+        hook(handle)
+        return original(handle, *args, **kwargs)
+    register._imperative_invoke = counting
+
+    def undo():
+        register._imperative_invoke = original
+    return undo
+
+
+def trainer_params(trainer):
+    """The Trainer's parameters in index order (the indices its updaters use)."""
+    return trainer._params
+
+
+def is_fresh(array):
+    """Whether backward wrote this parameter array's gradient since the last update."""
+    return array._fresh_grad
+
+
+def updater_state(updater, index, weight):
+    """The Updater's state for `index`, created or moved to `weight`'s context exactly as
+    ``Updater.__call__`` would (the accumulation window needs it before the Updater runs)."""
+    if index not in updater.states:
+        updater.states[index] = updater.optimizer.create_state_multi_precision(index, weight)
+        updater.states_synced[index] = True
+    elif not updater.states_synced[index]:
+        updater.states[index] = updater.sync_state_context(updater.states[index],
+                                                           weight.context)
+        updater.states_synced[index] = True
+    return updater.states[index]
