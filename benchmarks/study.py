@@ -38,7 +38,7 @@ try:
 except ImportError:           # run from a checkout without installing the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from mx_lbsgd import _train
-from mx_lbsgd.cli import _Parser, _number
+from mx_lbsgd.cli import _Parser, _number, demo_error, demo_missing
 
 BASE_BATCH = 32
 METHODS = ('sgd', 'lbsgd-linear', 'lbsgd-sqrt', 'lbsgd-power2', 'lbsgd-lars',
@@ -200,6 +200,9 @@ def main(argv=None, prog='study.py'):
     """Run the study; returns the exit status."""
     parser = _parser(prog)
     args = parser.parse_args(argv)
+    missing = demo_missing(('sklearn.datasets', 'matplotlib'))   # the digits, study.png
+    if missing:
+        parser.exit(2, demo_error(prog, missing) + '\n')
     n_train = len(_train.load_digits()[0])
     full = (n_train // BASE_BATCH) * BASE_BATCH
     if args.tiny:

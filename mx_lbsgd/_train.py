@@ -213,13 +213,12 @@ def _accuracy(net, x, y):
 def _lr_now(cfg, applied, steps_per_epoch):
     """Scheduled learning rate after `applied` micro-batches (warmup for lbsgd-likes;
     for LARS the base lr, which each layer's trust ratio multiplies)."""
-    from mx_lbsgd.schedules import warmup_multiplier
+    from mx_lbsgd.schedules import WARMUP_SHAPES, warmup_multiplier
     lr = cfg.resolved_lr()
-    if cfg.optimizer in WARMUP_OPTIMIZERS and cfg.warmup_strategy != 'lars':
+    if cfg.optimizer in WARMUP_OPTIMIZERS and cfg.warmup_strategy in WARMUP_SHAPES:
         return lr * warmup_multiplier(applied, cfg.warmup_epochs * steps_per_epoch,
                                       cfg.batch_scale, cfg.warmup_strategy)
     return lr
-
 
 
 def train(cfg, on_start=None, on_step=None, on_epoch=None):

@@ -8,11 +8,19 @@
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (one line on
 stderr, ``mx-lbsgd CMD: error: ...``, never a traceback).
+
+``import mx_lbsgd.cli`` needs only what ``mx_lbsgd`` needs (MXNet, NumPy): scikit-learn,
+tqdm and matplotlib (the ``demo`` extra) are imported where used. ``train``, ``study`` and
+``schedule --plot`` check for them after parsing their arguments and, when missing, print
+one line naming the install command and exit 2.
 """
 import argparse
 import os
 import sys
+import tempfile
 import time
+
+from . import schedules
 
 _COMMANDS = (
     ('train', 'train an MLP on the 8x8 digits; write metrics, summary and plots'),
@@ -32,6 +40,57 @@ class _Parser(argparse.ArgumentParser):
 
 class _UsageError(Exception):
     """A bad argument found after parsing; main() prints it as one line, exit status 2."""
+
+
+#: The ``demo`` extra: module imported -> distribution that provides it.
+DEMO_MODULES = {'sklearn.datasets': 'scikit-learn', 'matplotlib': 'matplotlib', 'tqdm': 'tqdm'}
+DEMO_INSTALL = "pip install 'mx_lbsgd[demo]'"
+
+
+def demo_missing(modules=tuple(DEMO_MODULES)):
+    """The distributions (of DEMO_MODULES) whose module in `modules` fails to import."""
+    missing = []
+    for name in modules:
+        try:
+            __import__(name)        # looked up at call time: honours a patched __import__
+        except ImportError:
+            missing.append(DEMO_MODULES[name])
+    return missing
+
+
+def demo_error(prog, missing, what='this command'):
+    """The one-line message for `what` of `prog`, which needs the (missing) demo extra."""
+    return ('%s: error: %s needs the demo extra (missing: %s): %s (in a source checkout: '
+            "pip install '.[demo]')" % (prog, what, ', '.join(missing), DEMO_INSTALL))
+
+
+def _require_demo(prog, modules=tuple(DEMO_MODULES), what='this command'):
+    """_UsageError (one line, exit status 2) if a module of the demo extra is missing."""
+    missing = demo_missing(modules)
+    if missing:
+        raise _UsageError(demo_error(prog, missing, what))
+
+
+def _writable_dir(prog, path):
+    """_UsageError unless `path` is (or can be created as) a folder we can write into.
+
+    Probes by creating and removing a temporary folder in `path` or, if it does not exist
+    yet, in its nearest existing ancestor, so nothing is left behind. (os.access is no
+    test: root passes it for read-only permissions, and /proc refuses anyway.)"""
+    target = os.path.abspath(path)
+    probe = target
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        if os.path.isdir(probe):
+            os.rmdir(tempfile.mkdtemp(prefix='.mx-lbsgd-probe-', dir=probe))
+            return
+        reason = ('it exists and is not a folder' if probe == target
+                  else '%s is not a folder' % probe)
+    except OSError as err:
+        reason = 'cannot create a folder in %s (%s)' % (probe, err.strerror or err)
+    raise _UsageError('%s: error: argument --out: %s is not writable: %s'
+                      % (prog, path, reason))
 
 
 def _number(kind, low=None, high=None, open_low=False, open_high=False):
@@ -106,7 +165,7 @@ def _train_parser():
                    help='lbsgd (mx_lbsgd.LBSGD, default), lssgd (mx_lbsgd.LossScaledSGD), '
                         "sgd (mx SGD with momentum), mxnet-lbsgd (MXNet's own LBSGD), "
                         'lars (mx.optimizer.LARS)')
-    p.add_argument('--warmup-strategy', choices=('linear', 'power2', 'sqrt', 'lars'),
+    p.add_argument('--warmup-strategy', choices=tuple(schedules.WARMUP_STRATEGIES),
                    help='lbsgd / mxnet-lbsgd only (default %s)' % d.warmup_strategy)
     p.add_argument('--warmup-epochs', type=_number(float, 0),
                    help='lbsgd / mxnet-lbsgd only (default %g)' % d.warmup_epochs)
@@ -208,7 +267,9 @@ def _cmd_train(argv):
     parser = _train_parser()
     args = parser.parse_args(argv)
     cfg = _train_config(args, parser)
+    _require_demo(parser.prog)
     out = args.out or os.path.join('runs', time.strftime('%Y%m%d-%H%M%S'))
+    _writable_dir(parser.prog, out)          # before training, not after it
     progress = _Progress(cfg, args.quiet)
     try:
         result = _train.train(cfg, on_start=progress.start, on_step=progress.step,
@@ -235,7 +296,7 @@ def _cmd_train(argv):
 
 
 # -- schedule ------------------------------------------------------------------------------
-_SHAPES = ('linear', 'power2', 'sqrt')
+_SHAPES = tuple(schedules.WARMUP_SHAPES)     # the strategies that are a schedule
 
 
 def _schedule_parser():
@@ -283,6 +344,8 @@ def schedule_table(warmup_steps, batch_scale, steps, every, strategies=_SHAPES,
 def _cmd_schedule(argv):
     parser = _schedule_parser()
     args = parser.parse_args(argv)
+    if args.plot:
+        _require_demo(parser.prog, ('matplotlib',), what='--plot')
     steps = args.steps if args.steps is not None else max(1, (args.warmup_steps * 5) // 4)
     every = args.every or max(1, steps // 20)
     header, rows = schedule_table(args.warmup_steps, args.batch_scale, steps, every,

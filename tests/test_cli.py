@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -14,6 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = {'args', 'final_test_acc', 'best_test_acc', 'best_epoch', 'epochs_to_target',
                 'target_acc', 'wall_time_s', 'skipped_steps', 'total_steps', 'versions',
                 'plots', 'files'}
+
+
+def _env():
+    """The environment for a subprocess: this checkout's mx_lbsgd first on sys.path."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join([ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
+    return env
 
 
 def _rows(path):
@@ -113,7 +121,8 @@ def test_bad_arguments_exit_2_with_one_line(argv, words, capsys, tmp_path):
 
 def test_subprocess_errors_have_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'train', '--batch-size', '0'],
-                          cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+                          cwd=str(tmp_path), env=_env(), capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 2
     _one_line_error(proc.stderr, 'mx-lbsgd train: error:', '--batch-size')
     assert proc.stdout == ''
@@ -197,7 +206,7 @@ def test_train_dist_sync_two_workers_rank0_writes(tmp_path):
               '--epochs', '1', '--no-steps', '--out', str(out)]
     proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'launch', '-n', '2',
                            '--timeout', '120', '--'] + worker, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=180)
+                          env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # only kv.rank 0 reports (the launcher's [worker N] labels need not match kv.rank)
     assert proc.stdout.count('] test accuracy') == 1
@@ -209,3 +218,162 @@ def test_train_dist_sync_two_workers_rank0_writes(tmp_path):
     # step (a race inside MXNet's lazy broadcast gave ~0.2 on a loaded machine)
     assert summary['final_test_acc'] > 0.7
     assert len(_rows(out / 'metrics.csv')) == 1
+
+
+# -- the demo extra (scikit-learn, tqdm, matplotlib) --------------------------------------
+DEMO_TOP = ('sklearn', 'matplotlib', 'tqdm')
+
+
+def _block_modules(monkeypatch, names):
+    """Make `import NAME` (and its submodules) fail as if NAME were not installed."""
+    for name in list(sys.modules):
+        if name.split('.')[0] in names:
+            monkeypatch.setitem(sys.modules, name, None)
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def _no_training(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError('training started')
+    monkeypatch.setattr('mx_lbsgd._train.train', refuse)
+
+
+def _demo_error(err, prog, *missing):
+    _one_line_error(err, prog + ': error:', "pip install 'mx_lbsgd[demo]'", *missing)
+
+
+@pytest.mark.parametrize('blocked, missing', [
+    (('sklearn',), ['scikit-learn']), (('matplotlib',), ['matplotlib']), (('tqdm',), ['tqdm']),
+    (DEMO_TOP, ['scikit-learn, matplotlib, tqdm'])])
+def test_train_without_demo_extra_exits_2(blocked, missing, monkeypatch, tmp_path, capsys):
+    _block_modules(monkeypatch, blocked)
+    _no_training(monkeypatch)
+    out = tmp_path / 'run'
+    assert main(['train', '--epochs', '1', '--out', str(out)]) == 2
+    captured = capsys.readouterr()
+    _demo_error(captured.err, 'mx-lbsgd train', *missing)
+    assert captured.out == '' and not out.exists()
+
+
+def test_train_without_demo_extra_patched_import(monkeypatch, tmp_path, capsys):
+    import builtins
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name.split('.')[0] == 'sklearn':
+            raise ModuleNotFoundError("No module named 'sklearn'", name='sklearn')
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, '__import__', fake_import)
+    _no_training(monkeypatch)
+    assert main(['train', '--out', str(tmp_path / 'run')]) == 2
+    _demo_error(capsys.readouterr().err, 'mx-lbsgd train', 'scikit-learn')
+    assert not list(tmp_path.iterdir())
+
+
+def test_commands_without_demo_extra(monkeypatch, tmp_path, capsys):
+    _block_modules(monkeypatch, DEMO_TOP)
+    # what needs no demo extra still works
+    assert main(['--help']) == 0
+    assert main(['train', '--help']) == 0
+    assert main(['schedule', '--warmup-steps', '4', '--batch-scale', '2']) == 0
+    assert 'linear' in capsys.readouterr().out
+    # bad arguments are still reported as such
+    assert main(['train', '--batch-size', '0']) == 2
+    _one_line_error(capsys.readouterr().err, '--batch-size')
+    # what needs it: one line, status 2, nothing written
+    png = tmp_path / 'warmup.png'
+    assert main(['schedule', '--plot', str(png)]) == 2
+    captured = capsys.readouterr()
+    _demo_error(captured.err, 'mx-lbsgd schedule', '--plot', 'matplotlib')
+    assert captured.out == '' and not png.exists()
+    assert main(['study', '--tiny', '--out', str(tmp_path / 'study')]) == 2
+    _demo_error(capsys.readouterr().err, 'mx-lbsgd study', 'scikit-learn, matplotlib')
+    assert not list(tmp_path.iterdir())
+
+
+def test_import_needs_no_demo_extra(tmp_path):
+    # a fresh interpreter: importing the package and the CLI, --help and a schedule
+    # table import none of the demo modules (they are blocked, and must stay unimported)
+    code = textwrap.dedent('''
+        import sys
+        sys.modules.update(sklearn=None, matplotlib=None, tqdm=None)
+        import mx_lbsgd, mx_lbsgd.cli, mx_lbsgd._train
+        from mx_lbsgd.cli import main
+        assert main(['schedule', '--steps', '2']) == 0
+        assert main(['train', '--help']) == 0
+        for name in ('sklearn', 'matplotlib', 'tqdm'):
+            assert sys.modules[name] is None, name
+        sys.exit(main(['train', '--out', 'run']))
+    ''')
+    proc = subprocess.run([sys.executable, '-c', code], cwd=str(tmp_path),
+                          env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    _demo_error(proc.stderr, 'mx-lbsgd train', 'scikit-learn, matplotlib, tqdm')
+    assert not (tmp_path / 'run').exists()
+
+
+# -- --out ---------------------------------------------------------------------------------
+def _file(tmp_path):
+    path = tmp_path / 'a-file'
+    path.write_text('not a folder')
+    return path
+
+
+@pytest.mark.parametrize('make_out, words', [
+    (lambda tmp: _file(tmp) / 'run', ['a-file is not a folder']),
+    (lambda tmp: _file(tmp) / 'deeper' / 'run', ['a-file is not a folder']),
+    (lambda tmp: _file(tmp), ['exists and is not a folder']),
+    (lambda tmp: '/proc/mx-lbsgd-no-such-dir/run', ['cannot create a folder in /proc']),
+])
+def test_train_unwritable_out_exits_2_before_training(make_out, words, monkeypatch,
+                                                      tmp_path, capsys):
+    _no_training(monkeypatch)
+    out = str(make_out(tmp_path))
+    assert main(['train', '--out', out]) == 2
+    captured = capsys.readouterr()
+    _one_line_error(captured.err, 'mx-lbsgd train: error: argument --out:', out,
+                    'not writable', *words)
+    assert captured.out == ''
+    assert [p.name for p in tmp_path.iterdir()] in ([], ['a-file'])
+
+
+@pytest.mark.skipif(not hasattr(os, 'geteuid') or os.geteuid() == 0,
+                    reason='root writes into read-only folders')
+def test_train_read_only_out_exits_2(monkeypatch, tmp_path, capsys):
+    _no_training(monkeypatch)
+    ro = tmp_path / 'ro'
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        assert main(['train', '--out', str(ro / 'run')]) == 2
+    finally:
+        ro.chmod(0o755)
+    _one_line_error(capsys.readouterr().err, '--out', 'not writable')
+    assert not list(ro.iterdir())
+
+
+def test_train_writable_out_check_leaves_nothing(monkeypatch, tmp_path):
+    # a new nested --out passes the check without being created before training
+    seen = []
+
+    def stop(cfg, **callbacks):
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        raise KeyboardInterrupt
+    monkeypatch.setattr('mx_lbsgd._train.train', stop)
+    assert main(['train', '--out', str(tmp_path / 'new' / 'run')]) == 130
+    assert seen == [[]]
+
+
+# -- the warmup strategies come from mx_lbsgd.schedules --------------------------------------
+def test_warmup_strategy_choices_read_the_registry(monkeypatch, capsys):
+    from mx_lbsgd import cli, schedules
+    assert cli._SHAPES == tuple(schedules.WARMUP_SHAPES)
+    action = next(a for a in cli._train_parser()._actions
+                  if '--warmup-strategy' in a.option_strings)
+    assert tuple(action.choices) == tuple(schedules.WARMUP_STRATEGIES)
+    registry = {name: None for name in schedules.WARMUP_STRATEGIES}   # a mapping works too
+    registry['cubic'] = None
+    monkeypatch.setattr(schedules, 'WARMUP_STRATEGIES', registry)
+    assert main(['train', '--help']) == 0
+    assert 'cubic' in capsys.readouterr().out
