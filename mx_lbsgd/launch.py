@@ -19,11 +19,26 @@ The optimizer's class must be importable there: not defined in the worker's ``__
 
 Output lines are prefixed ``[worker 0]``, ``[server 0]``, ``[scheduler]`` (launcher messages
 ``[launch]``). Exit status: 0 when every worker exits 0 (servers and scheduler then stop by
-themselves; any still running after a few seconds are stopped); otherwise the status of the
+themselves; any still running after a few seconds are stopped), or when the job's work is
+done but a process is stuck in ps-lite's exit (below); otherwise the status of the
 first process to fail, 128 + N for a process killed by signal N, and the launcher stops all
 the others at once (SIGTERM to each process group, SIGKILL 3 s later), so a job whose
 survivors wait forever in a ps-lite barrier still ends. 124 when ``--timeout`` expires, 130
 on Ctrl-C, 143 on SIGTERM, 2 for bad arguments or a port already in use.
+
+Exit hangs. A worker frees its kvstore at interpreter exit, and MXNet's ``~KVStoreDist`` then
+runs ps-lite's ``Finalize``: a barrier of every node, then ``Van::Stop``. The scheduler (run
+by this launcher) leaves that barrier, and exits, only once every server and worker has
+entered it, so once the scheduler has exited 0 every worker's program is done. ps-lite's exit
+is not reliable (the scheduler sends the barrier's release and then closes its ZeroMQ
+sockets with ``ZMQ_LINGER=0``, which may drop releases not yet written; a process also
+sometimes stays in its own exit): a worker or server still running ``_EXIT_HANG`` (10) s after
+the scheduler exited 0 is stopped and reported as "hung in ps-lite exit after the final
+barrier; stopped", and does not fail the job. (A worker that frees its kvstore early and
+then goes on working for longer than that would be stopped too: keep the kvstore to the
+end.) Whenever the launcher steps in (failure, timeout, signal, stuck processes) it ends
+with one line, ``[launch] exit status: scheduler: exit 0, server 0: ..., worker 0: exit 0,
+...``, saying how every process ended; ``launch(report={})`` gives the same as a dict.
 """
 import argparse
 import os
@@ -36,6 +51,7 @@ import time
 
 _GRACE = 3.0          # seconds between SIGTERM and SIGKILL
 _LINGER = 5.0         # seconds servers/scheduler get to exit after the workers succeed
+_EXIT_HANG = 10.0     # seconds a process gets to exit after the scheduler left the final barrier
 _POLL = 0.05
 
 # Imported as a worker so that mxnet and mx_lbsgd load completely (with DMLC_ROLE=server,
@@ -135,14 +151,16 @@ def _check_counts(num_workers, num_servers):
 
 
 def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=None,
-           stream=None, on_start=None):
+           stream=None, on_start=None, report=None):
     """Run ``command`` (a list of arguments) as ``num_workers`` workers of a local PS job.
 
     ``port``: the scheduler's port (default: a free one); ValueError if it is in use.
     ``timeout``: wall-clock limit in seconds (None: none). ``env``: variables added to
     ``os.environ`` for every process. ``stream``: where prefixed output goes (default
     ``sys.stdout``). ``on_start``: called with ``{label: pid}`` once every process has
-    started (each pid is also its process group). Returns the exit status (module doc).
+    started (each pid is also its process group). ``report``: a dict, filled in with
+    ``'status'`` (the return value) and ``'processes'``: ``{label: {'status', 'note'}}`` for
+    every process (see ``_summary``). Returns the exit status (module doc).
     """
     command = list(command)
     if not command:
@@ -160,6 +178,7 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
     lock = threading.Lock()
 
     def say(message):
+        said.append(message)
         with lock:
             stream.write(f'[launch] {message}\n')
             stream.flush()
@@ -178,7 +197,8 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
     jobs += [(f'server {i}', 'server', i, bootstrap) for i in range(num_servers)]
     jobs += [(f'worker {i}', 'worker', i, command) for i in range(num_workers)]
 
-    procs, threads = [], []
+    procs, threads, states = [], [], {}
+    said = []
     on_main = threading.current_thread() is threading.main_thread()
     if on_main:
         def on_sigterm(signum, frame):
@@ -201,7 +221,7 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
                 threads.append(thread)
             if on_start is not None:
                 on_start({label: proc.pid for label, proc in procs})
-            status = _wait(procs, timeout, say)
+            status = _wait(procs, timeout, say, states)
         except KeyboardInterrupt:
             say('interrupted; stopping all processes')
             status = 130
@@ -212,33 +232,64 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
             say(f'cannot start {err.filename!r}: {err.strerror}')
             status = 127
         finally:
+            for label, proc in procs:
+                if proc.poll() is None and label not in states:
+                    states[label] = 'still running; stopped by the launcher'
             _teardown(procs)
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, old_handler)
     for thread in threads:
         thread.join(timeout=2)
+    summary = _summary(procs, states)
+    if said:          # the launcher stepped in: say how every process ended
+        say('exit status: ' + ', '.join(
+            f'{label}: {_describe(entry)}' for label, entry in summary.items()))
+    if report is not None:
+        report.update(status=status, processes=summary)
     return status
 
 
-def _wait(procs, timeout, say):
-    """Poll until the workers are done, something fails or the time is up; returns status."""
+def _wait(procs, timeout, say, states):
+    """Poll until the workers are done, something fails or the time is up; returns status.
+
+    ``states`` maps each label to a note on how the launcher ended that process (filled in
+    here for the processes it stops on purpose; see ``_summary``).
+    """
     start = time.monotonic()
     workers = [p for label, p in procs if label.startswith('worker')]
-    done_at = None
+    scheduler = procs[0][1]
+    done_at = barrier_at = None
     while True:
         for label, proc in procs:
             code = proc.poll()
-            if code:
+            if code and label not in states:
                 how = f'killed by signal {-code}' if code < 0 else f'exited with code {code}'
                 say(f'{label} {how}; stopping all processes')
                 return _status(code)
         now = time.monotonic()
-        if all(p.returncode == 0 for _, p in procs):
+        if all(p.returncode == 0 or label in states for label, p in procs):
+            return 0
+        if barrier_at is None and scheduler.returncode == 0:
+            barrier_at = now
+        if barrier_at is not None and now - barrier_at > _EXIT_HANG:
+            # The scheduler leaves ps-lite's final barrier (ps::Finalize) only once every
+            # server and worker has entered it, i.e. every worker's program is done and its
+            # kvstore is being destroyed. What still runs is stuck in ps-lite's exit.
+            hung = [(label, p) for label, p in procs if p.poll() is None]
+            for label, _ in hung:
+                states[label] = 'hung in ps-lite exit after the final barrier; stopped'
+            say(f'{", ".join(l for l, _ in hung)} still running {_EXIT_HANG:g} s after the '
+                "job's final ps-lite barrier (their work is done): stuck in ps-lite's exit; "
+                'stopping them')
+            _teardown(hung)
             return 0
         if done_at is None and all(p.returncode == 0 for p in workers):
             done_at = now
         if done_at is not None and now - done_at > _LINGER:
+            left = [label for label, p in procs if p.poll() is None]
+            for label in left:
+                states[label] = 'still running after the workers succeeded; stopped'
             say(f'all workers finished but servers/scheduler still run after {_LINGER:g} s; '
                 'stopping them')
             return 0
@@ -246,6 +297,35 @@ def _wait(procs, timeout, say):
             say(f'timeout after {timeout:g} s; stopping all processes')
             return 124
         time.sleep(_POLL)
+
+
+def _summary(procs, states):
+    """``{label: {'status': int or None, 'note': str}}`` once every process has ended.
+
+    ``status`` is the process's own exit status (128 + N if killed by signal N), or ``None``
+    for a process stopped by the launcher after its work was done (``note`` says why);
+    ``note`` is '' for a process that exited by itself.
+    """
+    out = {}
+    for label, proc in procs:
+        code = proc.returncode
+        if label in states:
+            out[label] = dict(status=None if code is None or code < 0 else code,
+                              note=states[label] if code is None or code < 0 else '')
+        elif code is None:
+            out[label] = dict(status=None, note='did not start')
+        else:
+            out[label] = dict(status=_status(code), note='')
+    return out
+
+
+def _describe(entry):
+    if entry['note']:
+        return entry['note']
+    status = entry['status']
+    if status is None:
+        return 'not started'
+    return f'killed by signal {status - 128}' if status > 128 else f'exit {status}'
 
 
 def _positive_int(text):

@@ -261,3 +261,55 @@ def test_signal_to_launcher(signum, status, tag):
             proc.kill()
             proc.wait()
     _assert_gone(tag)
+
+
+def test_worker_stuck_after_final_barrier_is_stopped(tmp_path, tag, monkeypatch):
+    """A worker stuck after ps-lite's final barrier (the scheduler has left it, so every
+    worker's work is done) is stopped after _EXIT_HANG s; the job succeeds and the launcher
+    says how every process ended."""
+    import mx_lbsgd.launch as module
+    monkeypatch.setattr(module, '_EXIT_HANG', 2.0)
+    report = {}
+    code, out, elapsed = _run(tmp_path, tag, """
+        import gc, time
+        import mxnet as mx
+        kv = mx.kv.create('dist_sync')
+        kv.init(0, mx.nd.zeros((2,)))
+        kv.push(0, mx.nd.ones((2,)))
+        out = mx.nd.zeros((2,))
+        kv.pull(0, out=out)
+        rank = kv.rank
+        print('rank', rank, 'done', out.asnumpy(), flush=True)
+        del kv
+        gc.collect()                 # ~KVStoreDist: barriers, ps::Finalize
+        if rank == 1:
+            print('stuck', flush=True)
+            time.sleep(60)           # as if stuck in ps-lite's exit
+    """, 2, report=report)
+    assert code == 0, out
+    assert elapsed < 40
+    assert 'stuck in ps-lite' in out and '[launch] exit status: ' in out, out
+    procs = report['processes']
+    assert report['status'] == 0
+    assert procs['scheduler'] == dict(status=0, note='') and procs['server 0']['status'] == 0
+    stuck = int(out.split('] stuck')[0].rsplit('[worker ', 1)[1])
+    assert procs[f'worker {1 - stuck}'] == dict(status=0, note='')
+    assert procs[f'worker {stuck}']['status'] is None
+    assert 'hung in ps-lite exit' in procs[f'worker {stuck}']['note']
+    _assert_gone(tag)
+
+
+def test_report_of_clean_and_failed_jobs(tmp_path, tag):
+    report = {}
+    code, out, _ = _run(tmp_path, tag, "import sys; sys.exit(0)", 1, report=report)
+    # a worker that never creates a kvstore: the scheduler and server wait for it forever
+    assert code == 0, out
+    assert report['processes']['worker 0'] == dict(status=0, note='')
+    assert 'stopped' in report['processes']['scheduler']['note']
+    assert '[launch] exit status: scheduler: still running after the workers succeeded' in out
+    report = {}
+    code, out, _ = _run(tmp_path, tag, "import sys, time; sys.exit(5)", 1, report=report)
+    assert code == 5 and report['status'] == 5
+    assert report['processes']['worker 0'] == dict(status=5, note='')
+    assert 'worker 0: exit 5' in out
+    _assert_gone(tag)

@@ -1,0 +1,256 @@
+"""Soak test for loopback ``dist_sync`` jobs: N consecutive small Gluon jobs through
+``mx_lbsgd.launch``, watching for jobs whose workers finish but whose processes do not exit.
+
+    python benchmarks/soak_dist.py --jobs 50 --json soak.json [--stacks]
+
+Each job: 1 scheduler, ``--servers`` servers and ``--workers`` workers; every worker trains a
+small Gluon MLP for ``--steps`` ``trainer.step`` calls on ``kvstore='dist_sync'`` with
+``update_on_kvstore=False``, checks that all workers hold the same weights, prints
+``rank R done`` and exits (the kvstore is freed, and ps-lite finalized, at interpreter exit).
+
+Recorded per job: wall time, the launcher's exit status, every process's exit status (as the
+launcher reports it), and whether the job hung at exit: some process still alive
+``--hang-after`` seconds after every worker printed ``done``. For such a job the still-alive
+processes are listed and, with ``--stacks``, their native stacks (``gdb``) are saved in the
+JSON, showing where they hung. Not part of the test suite (minutes of wall time).
+"""
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from mx_lbsgd import launch as launch_module  # noqa: E402
+
+WORKER = '''\
+import os, sys
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+import mx_lbsgd
+
+optimizer, steps, batch = sys.argv[1], int(sys.argv[2]), 8
+kv = mx.kv.create('dist_sync')
+rank, n = kv.rank, kv.num_workers
+mx.random.seed(0)
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Dense(16, activation='relu'), gluon.nn.Dense(4))
+net.initialize(mx.init.Xavier())
+net(nd.zeros((1, 8)))
+trainer = gluon.Trainer(net.collect_params(), optimizer,
+                        dict(learning_rate=0.1, momentum=0.9), kvstore=kv,
+                        update_on_kvstore=False)
+mx_lbsgd.init_kvstore(trainer, batch * n)
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.RandomState(rank)
+for step in range(steps):
+    x = nd.array(rng.randn(batch, 8))
+    y = nd.array(rng.randint(0, 4, batch))
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(batch * n)
+# every worker must hold the same weights: sum of all workers' checksums == n * own
+total = sum(float(p.data().sum().asscalar()) for p in net.collect_params().values())
+check = nd.array([total])
+kv.init(999, nd.zeros((1,)))
+kv.push(999, check)
+got = nd.zeros((1,))
+kv.pull(999, out=got)
+assert abs(got.asscalar() - n * total) < 1e-3 * max(1.0, abs(n * total)), (got, total)
+print('rank %d done' % rank, flush=True)
+'''
+
+
+class _Watch(io.TextIOBase):
+    """Stream given to the launcher: keeps the output, notes when each worker is done."""
+
+    def __init__(self, num_workers, echo):
+        self.lines, self.done_at, self.num_workers, self.echo = [], {}, num_workers, echo
+        self._buf = ''
+
+    def write(self, text):
+        self._buf += text
+        *lines, self._buf = self._buf.split('\n')
+        for line in lines:
+            self.lines.append((time.monotonic(), line))
+            if line.startswith('[worker ') and ' done' in line and 'rank ' in line:
+                self.done_at[line.split(']')[0][1:]] = time.monotonic()
+            if self.echo:
+                print(line, flush=True)
+        return len(text)
+
+    def all_done(self):
+        return len(self.done_at) == self.num_workers
+
+
+def _alive(pid):
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] not in 'ZX'
+    except OSError:
+        return False
+
+
+def _wchan(pid):
+    try:
+        with open(f'/proc/{pid}/wchan') as f:
+            return f.read().strip()
+    except OSError:
+        return '?'
+
+
+def _stacks(pid):
+    """Native stacks of every thread of ``pid`` (gdb), the frames of interest kept."""
+    if not shutil.which('gdb'):
+        return 'gdb not found'
+    try:
+        out = subprocess.run(['gdb', '-p', str(pid), '-batch', '-nx', '-ex',
+                              'thread apply all bt 30'], capture_output=True, text=True,
+                             timeout=60).stdout
+    except subprocess.TimeoutExpired:
+        return 'gdb timed out'
+    keep = [line for line in out.splitlines() if line.startswith(('Thread ', '#'))]
+    return '\n'.join(keep)
+
+
+def _monitor(watch, pids, hang_after, stacks, record, stop):
+    """Once all workers are done, wait ``hang_after`` s; record who is still alive."""
+    while not stop.is_set() and not watch.all_done():
+        time.sleep(0.05)
+    if stop.is_set():
+        return
+    last = max(watch.done_at.values())
+    while not stop.is_set() and time.monotonic() - last < hang_after:
+        time.sleep(0.05)
+    if stop.is_set():
+        return
+    alive = {label: pid for label, pid in pids.items() if _alive(pid)}
+    if not alive:
+        return
+    record['hung'] = {label: dict(pid=pid, wchan=_wchan(pid)) for label, pid in alive.items()}
+    if stacks:
+        for label, pid in alive.items():
+            record['hung'][label]['stack'] = _stacks(pid)
+
+
+def run_job(index, args, workdir):
+    watch = _Watch(args.workers, args.verbose)
+    pids, record, stop = {}, dict(job=index), threading.Event()
+    monitor = threading.Thread(target=_monitor, daemon=True, args=(
+        watch, pids, args.hang_after, args.stacks, record, stop))
+    report = {}
+    kwargs = dict(timeout=args.timeout, stream=watch, on_start=pids.update,
+                  env={'PYTHONPATH': os.pathsep.join(
+                      filter(None, [ROOT, os.environ.get('PYTHONPATH')]))})
+    if args.ps_verbose:
+        kwargs['env']['PS_VERBOSE'] = '1'
+    if 'report' in launch_module.launch.__code__.co_varnames:
+        kwargs['report'] = report
+    monitor.start()
+    start = time.monotonic()
+    status = launch_module.launch(
+        [sys.executable, os.path.join(workdir, 'worker.py'), args.optimizer, str(args.steps)],
+        args.workers, args.servers, **kwargs)
+    wall = time.monotonic() - start
+    stop.set()
+    monitor.join()
+    done = sorted(watch.done_at)
+    record.update(status=status, wall_s=round(wall, 3), workers_done=len(done),
+                  exit_wait_s=round(time.monotonic() - max(watch.done_at.values()) - 0, 3)
+                  if done else None,
+                  processes=report.get('processes'),
+                  launcher_lines=[line for _, line in watch.lines if line.startswith('[launch]')])
+    if status != 0 or len(done) != args.workers or record.get('hung'):
+        record['log_tail'] = [line for _, line in watch.lines][-60:]
+    record.setdefault('hung', {})
+    return record
+
+
+def _table(records):
+    rows = ['  job  status   wall s  hung at exit']
+    for r in records:
+        hung = ', '.join(f"{k} ({v['wchan']})" for k, v in r['hung'].items()) or '-'
+        rows.append(f"{r['job']:5d}  {r['status']:6d}  {r['wall_s']:7.2f}  {hung}")
+    return '\n'.join(rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--jobs', type=int, default=50, help='consecutive jobs (default 50)')
+    parser.add_argument('--workers', type=int, default=2, help='workers per job (default 2)')
+    parser.add_argument('--servers', type=int, default=1, help='servers per job (default 1)')
+    parser.add_argument('--timeout', type=float, default=60,
+                        help="launcher's --timeout per job in s (default 60)")
+    parser.add_argument('--optimizer', default='sgd', choices=['sgd', 'lbsgd'])
+    parser.add_argument('--steps', type=int, default=3, help='trainer.step calls per job')
+    parser.add_argument('--hang-after', type=float, default=3.0,
+                        help='a process alive this long after all workers printed done counts '
+                             'as hung at exit (default 3 s)')
+    parser.add_argument('--stacks', action='store_true',
+                        help='save gdb stacks of the processes hung at exit')
+    parser.add_argument('--ps-verbose', action='store_true',
+                        help='PS_VERBOSE=1: ps-lite logs its barriers and van stops')
+    parser.add_argument('--linger', type=float,
+                        help="diagnosis: override the launcher's wait for servers/scheduler "
+                             'after the workers succeed (leaves time for --stacks)')
+    parser.add_argument('--json', help='write the records and summary here')
+    parser.add_argument('--verbose', action='store_true', help="echo the jobs' output")
+    args = parser.parse_args(argv)
+    if args.linger is not None:
+        launch_module._LINGER = args.linger
+
+    workdir = tempfile.mkdtemp(prefix='soak_dist_')
+    with open(os.path.join(workdir, 'worker.py'), 'w') as f:
+        f.write(textwrap.dedent(WORKER))
+    records = []
+    started = time.time()
+    try:
+        for index in range(args.jobs):
+            record = run_job(index, args, workdir)
+            records.append(record)
+            hung = ', '.join(record['hung']) or '-'
+            print(f"job {index:3d}: status {record['status']:3d}  {record['wall_s']:6.2f} s  "
+                  f"workers done {record['workers_done']}/{args.workers}  hung: {hung}",
+                  flush=True)
+            for line in record['launcher_lines']:
+                print('         ' + line, flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    walls = [r['wall_s'] for r in records]
+    summary = dict(
+        jobs=len(records), ok=sum(r['status'] == 0 for r in records),
+        failed=sum(r['status'] != 0 for r in records),
+        all_workers_done=sum(r['workers_done'] == args.workers for r in records),
+        hung_at_exit=sum(bool(r['hung']) for r in records),
+        timeouts=sum(r['status'] == 124 for r in records),
+        stopped_hung_in_exit=sum(any('hung in ps-lite exit' in p['note']
+                                     for p in (r['processes'] or {}).values())
+                                 for r in records),
+        stopped_after_workers_succeeded=sum(any('after the workers succeeded' in p['note']
+                                                for p in (r['processes'] or {}).values())
+                                            for r in records),
+        wall_median_s=round(statistics.median(walls), 2) if walls else None,
+        wall_max_s=round(max(walls), 2) if walls else None,
+        total_s=round(time.time() - started, 1),
+        settings=vars(args), python=sys.version.split()[0])
+    print(_table(records))
+    print(json.dumps({k: v for k, v in summary.items() if k != 'settings'}))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(dict(summary=summary, records=records), f, indent=1)
+    return 0 if summary['failed'] == 0 else 1
+
+
+if __name__ == '__main__':
+    sys.exit(main())
