@@ -135,8 +135,25 @@ def _check(cfg):
                           % (cfg.batch_scale, cfg.optimizer))
 
 
+HOROVOD_INSTALL = 'bash scripts/install_horovod.sh'
+
+
+def _horovod():
+    """horovod.mxnet, initialised; ConfigError naming the install command if missing."""
+    try:
+        import horovod.mxnet as hvd
+    except ImportError as err:
+        raise ConfigError('kvstore=horovod needs horovod built with MXNet support (%s): %s'
+                          % (err, HOROVOD_INSTALL)) from None
+    hvd.init()
+    return hvd
+
+
 def build(cfg, net, updates_per_epoch, kvstore=None):
-    """(trainer, LossScaling hook or None, scaler or None) for `cfg`; ConfigError on refusal."""
+    """(trainer, LossScaling hook or None, scaler or None) for `cfg`; ConfigError on refusal.
+
+    kvstore='horovod' gives horovod's DistributedTrainer (it averages over the workers, so
+    `step` takes the per-worker batch there)."""
     import mxnet as mx
     import mx_lbsgd
     _check(cfg)
@@ -147,9 +164,14 @@ def build(cfg, net, updates_per_epoch, kvstore=None):
             scaler = opt.loss_scaler if opt.loss_scaler is not None else None
             if scaler is not None and not scaler.enabled:
                 scaler = None
-        trainer = mx.gluon.Trainer(net.collect_params(), opt, kvstore=kvstore,
-                                   update_on_kvstore=False if kvstore is not None else None)
-        if kvstore is not None and 'dist' in kvstore.type:
+        if kvstore == 'horovod':
+            hvd = _horovod()
+            hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+            trainer = hvd.DistributedTrainer(net.collect_params(), opt)
+        else:
+            trainer = mx.gluon.Trainer(net.collect_params(), opt, kvstore=kvstore,
+                                       update_on_kvstore=False if kvstore is not None else None)
+        if kvstore not in (None, 'horovod') and 'dist' in kvstore.type:
             mx_lbsgd.init_kvstore(trainer, cfg.batch_size * kvstore.num_workers)
         hook = None
         if scaler is not None and not builtin:
@@ -196,10 +218,14 @@ def probe_underflow(net, loss_fn, xb, yb, scale):
 
 
 def _shard(n, kvstore):
-    """Indices of this worker's shard of n samples: equal-sized, contiguous, by kv.rank."""
-    if kvstore is None or not hasattr(kvstore, 'num_workers'):
+    """Indices of this worker's shard of n samples: equal-sized, contiguous, by rank."""
+    if kvstore == 'horovod':
+        hvd = _horovod()
+        rank, workers = hvd.rank(), hvd.size()
+    elif kvstore is None or not hasattr(kvstore, 'num_workers'):
         return np.arange(n), 0, 1
-    rank, workers = kvstore.rank, kvstore.num_workers
+    else:
+        rank, workers = kvstore.rank, kvstore.num_workers
     size = n // workers
     return np.arange(rank * size, (rank + 1) * size), rank, workers
 
@@ -254,8 +280,11 @@ class _Run:
         if cfg.kvstore and 'dist' in cfg.kvstore and 'DMLC_ROLE' not in os.environ:
             raise ConfigError('kvstore=%r needs a parameter-server job: run it under '
                               '"mx-lbsgd launch -n WORKERS -- ..."' % cfg.kvstore)
-        kv = mx.kv.create(cfg.kvstore) if cfg.kvstore else None
+        kv = (cfg.kvstore if cfg.kvstore == 'horovod'
+              else mx.kv.create(cfg.kvstore) if cfg.kvstore else None)
         self.shard, self.rank, self.workers = _shard(len(self.x), kv)
+        # horovod's DistributedTrainer averages over the workers itself
+        self.step_batch = cfg.batch_size * (1 if kv == 'horovod' else self.workers)
         self.steps_per_epoch = len(self.shard) // cfg.batch_size
         if self.steps_per_epoch < cfg.batch_scale or self.steps_per_epoch < 1:
             raise ConfigError('batch_size * batch_scale = %d is larger than the %d training '
@@ -291,9 +320,9 @@ class _Run:
         if self.hook is not None:
             if cfg.optimizer == 'lars':
                 self.hook.unscale()   # MXNet's LARS squares the (fp16) gradients as given
-            self.hook.step(cfg.batch_size * self.workers)
+            self.hook.step(self.step_batch)
         else:
-            self.trainer.step(cfg.batch_size * self.workers)
+            self.trainer.step(self.step_batch)
         skipped = self.scaler.total_skipped - before if self.scaler is not None else 0
         self.skipped += skipped
         self.applied += 0 if skipped else 1

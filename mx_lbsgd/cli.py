@@ -189,9 +189,10 @@ def _train_parser():
     p.add_argument('--growth-interval', type=_number(int, 1), default=d.growth_interval,
                    help='finite steps before a dynamic loss scale doubles '
                         '(default %(default)s)')
-    p.add_argument('--kvstore', choices=('local', 'device', 'dist_sync'),
-                   help='default: none. dist_sync: run under "mx-lbsgd launch"; each worker '
-                        'trains on its shard (by kv.rank), only rank 0 writes --out')
+    p.add_argument('--kvstore', choices=('local', 'device', 'dist_sync', 'horovod'),
+                   help='default: none. dist_sync: run under "mx-lbsgd launch"; horovod: '
+                        'run under "horovodrun --gloo -np 2 -H localhost:2"; each worker '
+                        'trains on its shard (by rank), only rank 0 writes --out')
     p.add_argument('--hidden', type=_hidden, default=d.hidden, metavar='N[,N...]',
                    help='hidden layer sizes (default 64,64)')
     p.add_argument('--target', type=_number(float, 0, 1), default=d.target,

@@ -324,6 +324,7 @@ class LBSGD(mx.optimizer.Optimizer):
                                 % (self._name(i), w.stype, g.stype))
         if self.window_phase == 'partial':
             self._update_count(index)      # summed at the Trainer; nothing to apply yet
+            self.last_step_skipped = False
             return
         if self.loss_scaler is None:
             self._apply(index, weight, grad, state, unscale=1.0)

@@ -3,11 +3,16 @@ or as a worker of a `dist_sync` job started by `mx_lbsgd.launch`.
 
     python tests/dist_worker.py CONFIG_JSON OUT_DIR
 
-A config names the API ('gluon' or 'module'), kvstore, update_on_kvstore, optimizer and its
-parameters, steps, the per-worker batch, contexts per worker and `inject` ({step: rank}: that
-rank writes inf into one gradient after backward). Worker r of n trains on samples
-[s*n*b + r*b, s*n*b + (r+1)*b) at step s, so n workers of batch b see what one process of
-batch n*b sees. Each worker saves its weights, loss scales and skip flags.
+A config names the API ('gluon' or 'module'), kvstore ('horovod': horovod's
+DistributedTrainer / DistributedOptimizer, started by horovodrun), update_on_kvstore,
+optimizer and its parameters, steps, the per-worker batch, contexts per worker, `inject`
+({step: rank}: that rank writes `inject_value` (inf) into one gradient after backward),
+`compression` ('fp16', horovod) and `resume` ({'at': step, 'per_rank': bool}: save states
+and weights there, rank 0 only unless per_rank, rebuild everything and load them on every
+rank). Worker r of n trains on samples [s*n*b + r*b, s*n*b + (r+1)*b) at step s, so n
+workers of batch b see what one process of batch n*b sees. Each worker saves its weights,
+loss scales and skip flags, and the gradient reductions (pushpull / allreduce calls) of
+every step.
 """
 import copy
 import json
@@ -37,32 +42,108 @@ def _shard(step, rank, num_workers, batch):
     return X[start:start + batch], Y[start:start + batch]
 
 
-def _gluon(cfg, kv, rank, num_workers, contexts):
-    net = mlp()
-    if len(contexts) > 1:
-        net.collect_params().reset_ctx(contexts)
+COMM = []      # one entry per gradient reduction call (pushpull, horovod allreduce)
+
+
+def _count_kvstore(kv):
+    original = kv.pushpull
+
+    def counting(key, *args, **kwargs):
+        COMM.append(key)
+        return original(key, *args, **kwargs)
+    kv.pushpull = counting
+
+
+def _count_horovod():
+    import horovod.mxnet as hvd
+    for name in ('allreduce_', 'grouped_allreduce_'):
+        original = getattr(hvd, name)
+
+        def counting(*args, _original=original, _name=name, **kwargs):
+            tensors = kwargs.get('tensors', args[0] if args else None)
+            COMM.extend([_name] * (len(tensors) if isinstance(tensors, (list, tuple)) else 1))
+            return _original(*args, **kwargs)
+        setattr(hvd, name, counting)
+
+
+def _gluon_trainer(cfg, net, kv, num_workers):
+    if cfg.get('kvstore') == 'horovod':
+        import horovod.mxnet as hvd
+        compression = hvd.Compression.fp16 if cfg.get('compression') == 'fp16' else \
+            hvd.Compression.none
+        return hvd.DistributedTrainer(net.collect_params(), cfg['optimizer'],
+                                      _optimizer_params(cfg), compression=compression), \
+            cfg['batch']                     # horovod averages: step(per-worker batch)
     trainer = gluon.Trainer(net.collect_params(), cfg['optimizer'], _optimizer_params(cfg),
                             kvstore=kv, update_on_kvstore=cfg.get('update_on_kvstore'))
     if kv is not None:
         mx_lbsgd.init_kvstore(trainer, cfg['batch'] * num_workers)
+        _count_kvstore(trainer._kvstore or kv)
+    return trainer, cfg['batch'] * num_workers
+
+
+def _gluon(cfg, kv, rank, num_workers, contexts):
+    net = mlp()
+    if len(contexts) > 1:
+        net.collect_params().reset_ctx(contexts)
+    trainer, step_batch = _gluon_trainer(cfg, net, kv, num_workers)
+    hook = None
+    if cfg.get('hook'):
+        hook = mx_lbsgd.LossScaling(trainer, mx_lbsgd.DynamicLossScaler(**cfg['hook']),
+                                    force=True)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    record = []
+    record, comm = [], []
+    resume = cfg.get('resume')
     for step in range(cfg['steps']):
+        if resume and step == resume['at']:
+            net, trainer = _resume(cfg, net, trainer, kv, rank, num_workers, contexts)
         x, y = _shard(step, rank, num_workers, cfg['batch'])
         opt = trainer._optimizer
         scale = opt.loss_scaler.scale if getattr(opt, 'loss_scaler', None) else 1.0
+        scale = hook.scale if hook else scale
         xs = gluon.utils.split_and_load(nd.array(x), contexts)
         ys = gluon.utils.split_and_load(nd.array(y), contexts)
         with autograd.record():
             losses = [loss_fn(net(a), b) * scale for a, b in zip(xs, ys)]
         autograd.backward(losses)
         if cfg.get('inject', {}).get(str(step)) == rank:
-            list(net.collect_params().values())[1].list_grad()[-1][:] = np.inf
-        trainer.step(cfg['batch'] * num_workers)
-        record.append(_scale_record(trainer._optimizer))
+            list(net.collect_params().values())[1].list_grad()[-1][:] = \
+                cfg.get('inject_value', np.inf)
+        before = len(COMM)
+        if hook:
+            hook.step(step_batch)
+        else:
+            trainer.step(step_batch)
+        comm.append(len(COMM) - before)
+        record.append((hook.scaler.scale, hook.last_step_skipped) if hook
+                      else _scale_record(trainer._optimizer))
     weights = {p.name.split('_', 1)[1]: p.data(contexts[0]).asnumpy()
                for p in net.collect_params().values()}
-    return weights, record
+    return weights, record, comm
+
+
+def _resume(cfg, net, trainer, kv, rank, num_workers, contexts):
+    """Save (rank 0, or every rank with per_rank), rebuild net and trainer, load on every
+    rank: what a restarted job does."""
+    folder = cfg['resume']['dir']
+    tag = rank if cfg['resume'].get('per_rank') else 0
+    if rank == tag:
+        net.save_parameters(os.path.join(folder, 'net%d.params' % tag))
+        mx_lbsgd.checkpoint.save_states(trainer, os.path.join(folder, 'trainer%d.states' % tag))
+    _barrier(cfg, kv)
+    net = mlp()
+    net.load_parameters(os.path.join(folder, 'net%d.params' % tag), ctx=contexts)
+    trainer, _ = _gluon_trainer(cfg, net, kv, num_workers)
+    mx_lbsgd.checkpoint.load_states(trainer, os.path.join(folder, 'trainer%d.states' % tag))
+    return net, trainer
+
+
+def _barrier(cfg, kv):
+    if cfg.get('kvstore') == 'horovod':
+        import horovod.mxnet as hvd
+        hvd.allreduce(nd.ones((1,)), name='barrier').wait_to_read()
+    elif kv is not None:
+        kv._barrier()
 
 
 def _scale_record(opt):
@@ -81,22 +162,33 @@ def _module(cfg, kv, rank, num_workers, contexts):
     mod.bind([('data', (batch, 64))], [('softmax_label', (batch,))])
     mx.random.seed(0)
     mod.init_params(mx.init.Xavier())
-    mod.init_optimizer(kvstore=kv, optimizer=cfg['optimizer'],
-                       optimizer_params=_optimizer_params(cfg))
-    record = []
+    if cfg.get('kvstore') == 'horovod':
+        import horovod.mxnet as hvd
+        params = dict(_optimizer_params(cfg), rescale_grad=1.0 / batch)
+        if cfg.get('names'):
+            params['param_idx2name'] = dict(enumerate(
+                n for n in mod.symbol.list_arguments() if n not in ('data', 'softmax_label')))
+        opt = hvd.DistributedOptimizer(mx.optimizer.create(cfg['optimizer'], **params))
+        mod.init_optimizer(kvstore=None, optimizer=opt)
+    else:
+        mod.init_optimizer(kvstore=kv, optimizer=cfg['optimizer'],
+                           optimizer_params=_optimizer_params(cfg))
+    record, comm = [], []
     for step in range(cfg['steps']):
         x, y = _shard(step, rank, num_workers, batch)
         mod.forward_backward(mx.io.DataBatch([nd.array(x)], [nd.array(y)]))
         if cfg.get('inject', {}).get(str(step)) == rank:
             mod._exec_group.grad_arrays[0][-1][:] = np.inf
+        before = len(COMM)
         mod.update()
+        comm.append(len(COMM) - before)
         record.append(_scale_record(mod._optimizer))
     weights = {k: v.asnumpy() for k, v in mod.get_params()[0].items()}
-    return weights, record
+    return weights, record, comm
 
 
 def train(cfg, kv=None, rank=0, num_workers=1):
-    """Weights (by name) and [(loss scale, skipped)] per step."""
+    """Weights (by name), [(loss scale, skipped)] per step and reductions per step."""
     contexts = [mx.cpu(i) for i in range(cfg.get('contexts', 1))]
     run = _gluon if cfg['api'] == 'gluon' else _module
     return run(cfg, kv, rank, num_workers, contexts)
@@ -106,11 +198,24 @@ def main():
     cfg, out = json.loads(sys.argv[1]), sys.argv[2]
     if cfg.get('module_update_on_kvstore') is not None:
         os.environ['MXNET_UPDATE_ON_KVSTORE'] = str(int(cfg['module_update_on_kvstore']))
-    kv = mx.kv.create(cfg['kvstore'])
-    weights, record = train(cfg, kv, kv.rank, kv.num_workers)
-    np.savez(os.path.join(out, 'rank%d.npz' % kv.rank), record=np.array(record, dtype=float),
-             **weights)
-    print('rank %d done' % kv.rank)
+    if cfg['kvstore'] == 'horovod':
+        import horovod.mxnet as hvd
+        hvd.init()
+        _count_horovod()
+        kv, rank, size = None, hvd.rank(), hvd.size()
+    else:
+        kv = mx.kv.create(cfg['kvstore'])
+        rank, size = kv.rank, kv.num_workers
+    if cfg.get('resume'):
+        cfg['resume']['dir'] = out
+    try:
+        weights, record, comm = train(cfg, kv, rank, size)
+    except ValueError as err:        # a refusal: one line for the test to read
+        print('rank %d ValueError: %s' % (rank, err), flush=True)
+        sys.exit(3)
+    np.savez(os.path.join(out, 'rank%d.npz' % rank), record=np.array(record, dtype=float),
+             comm=np.array(comm), **weights)
+    print('rank %d done' % rank)
 
 
 if __name__ == '__main__':

@@ -33,7 +33,8 @@ def reference(cfg, num_workers):
     return dist_worker.train(single)
 
 
-def assert_same(weights, record, ref_weights, ref_record, rtol=2e-5, atol=2e-6):
+def assert_same(weights, record, ref_weights, ref_record, ref_comm=None, rtol=2e-5,
+                atol=2e-6):
     assert sorted(weights) == sorted(ref_weights)
     for name in ref_weights:
         np.testing.assert_allclose(weights[name], ref_weights[name], rtol=rtol, atol=atol,
@@ -68,7 +69,7 @@ def test_two_contexts_equal_one(monkeypatch, api, kvstore, uok, optimizer, param
         with pytest.raises(ValueError, match='update_on_kvstore'):
             dist_worker.train(dict(cfg, batch=32), mx.kv.create(kvstore))
         return
-    weights, record = dist_worker.train(dict(cfg, batch=32), mx.kv.create(kvstore))
+    weights, record, _ = dist_worker.train(dict(cfg, batch=32), mx.kv.create(kvstore))
     assert_same(weights, record, *ref)
 
 
@@ -100,7 +101,31 @@ DIST = [
     pytest.param(config('module', 'lssgd', SCALED, kvstore='dist_sync',
                         module_update_on_kvstore=False, inject={'1': 0}),
                  id='module-lssgd-inf-on-one-worker'),
+] + [
+    # accumulation at the Trainer's reduction: one pushpull per parameter per update
+    pytest.param(config('gluon', 'lbsgd', dict(warmup_strategy='linear', batch_scale=4,
+                                               **WARMUP), steps=8, kvstore=kv,
+                        update_on_kvstore=False, contexts=c),
+                 id='gluon-%s-window-linear-B4' % kv)
+    for kv, c in (('dist_sync', 1), ('dist_device_sync', 2))
+] + [
+    pytest.param(config('gluon', 'lbsgd', dict(warmup_strategy='lars', batch_scale=4),
+                        steps=8, kvstore='dist_sync', update_on_kvstore=False),
+                 id='gluon-window-lars-B4'),
+    pytest.param(config('gluon', 'lbsgd', dict(SCALED, warmup_strategy='linear', batch_scale=4,
+                                               **WARMUP),
+                        steps=8, kvstore='dist_sync', update_on_kvstore=False,
+                        inject={'1': 1}),
+                 id='gluon-window-scaled-inf-on-one-worker-mid-window'),
 ]
+
+
+def expected_reductions(cfg, num_params=4):
+    """Reductions per step: one per parameter on every micro-batch that updates."""
+    B = cfg['params'].get('batch_scale', 1)
+    window = cfg['api'] == 'gluon' and cfg.get('update_on_kvstore') is False
+    return [num_params if (not window or (s + 1) % B == 0) else 0
+            for s in range(cfg['steps'])]
 
 
 def run_job(cfg, tmp_path, workers=2, timeout=60):
@@ -121,9 +146,11 @@ def test_dist_workers_equal_one_process(tmp_path, cfg):
     finished = all('rank %d done' % r in log for r in range(2))
     assert code == 0 or (code == 124 and finished), log
     ranks = [np.load(str(tmp_path / ('rank%d.npz' % r))) for r in range(2)]
-    ref_weights, ref_record = reference(cfg, 2)
+    ref_weights, ref_record, _ = reference(cfg, 2)
     for saved in ranks:
-        weights = {k: saved[k] for k in saved.files if k != 'record'}
+        weights = {k: saved[k] for k in saved.files if k not in ('record', 'comm')}
+        if cfg['api'] == 'gluon' and cfg.get('update_on_kvstore') is False:
+            assert list(saved['comm']) == expected_reductions(cfg)
         # sums over 2 workers x contexts round differently from one batch (LARS amplifies)
         assert_same(weights, saved['record'], ref_weights, ref_record, rtol=1e-3, atol=1e-4)
     for name in ranks[0].files:                  # every worker holds the same weights
