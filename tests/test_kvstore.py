@@ -140,11 +140,9 @@ def run_job(cfg, tmp_path, workers=2, timeout=60):
 @pytest.mark.parametrize('cfg', DIST)
 def test_dist_workers_equal_one_process(tmp_path, cfg):
     code, log = run_job(cfg, tmp_path)
-    # Once in ~30 jobs under load a worker that saved its results and printed "done" hung
-    # in MXNet's exit-time ps-lite finalize until the launcher's timeout stopped the job
-    # (124). The results are complete; the hang is MXNet's, so it only costs time here.
-    finished = all('rank %d done' % r in log for r in range(2))
-    assert code == 0 or (code == 124 and finished), log
+    # a process stuck in ps-lite's exit after the final barrier is stopped by the launcher,
+    # which still reports success (mx_lbsgd.launch, "Exit hangs" in the README)
+    assert code == 0, log
     ranks = [np.load(str(tmp_path / ('rank%d.npz' % r))) for r in range(2)]
     ref_weights, ref_record, _ = reference(cfg, 2)
     for saved in ranks:
