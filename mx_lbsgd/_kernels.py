@@ -222,8 +222,9 @@ def finite_flag(arrays, fused):
     """A float32 (1,) array on the first array's context: 1 if every element of every array
     is finite, else 0. Works across contexts and dtypes; reads nothing back to the host.
 
-    Fused: `multi_all_finite` per (context, dtype) in chunks of 200. Per-tensor (faster on
-    the CPU wheel): `all_finite` per array, each AND-ed into one flag per context.
+    Routed like the update (`route`): `multi_all_finite` over the small arrays of a
+    (context, dtype) in chunks of 200, `all_finite` per big array, all AND-ed into one flag
+    per context.
     """
     groups = {}
     for a in arrays:
@@ -233,12 +234,11 @@ def finite_flag(arrays, fused):
         flag = flags.get(ctx)
         if flag is None:
             flag = flags[ctx] = nd.ones((1,), ctx=ctx, dtype=np.float32)
-        if fused if fused is not None else ctx.device_type == 'gpu':
-            for chunk in _chunks(group, MAX_ARRAYS_PER_FINITE_CHECK):
-                nd.multi_all_finite(*chunk, num_arrays=len(chunk), init_output=False, out=flag)
-        else:
-            for a in group:
-                nd.all_finite(a, init_output=False, out=flag)
+        single, multi = route([a.size for a in group], ctx.device_type, fused)
+        for i in single:
+            nd.all_finite(group[i], init_output=False, out=flag)
+        for chunk in _chunks([group[i] for i in multi], MAX_ARRAYS_PER_FINITE_CHECK):
+            nd.multi_all_finite(*chunk, num_arrays=len(chunk), init_output=False, out=flag)
     if not flags:
         return nd.ones((1,), dtype=np.float32)
     first, *rest = flags.values()

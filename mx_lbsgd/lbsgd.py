@@ -317,11 +317,12 @@ class LBSGD(mx.optimizer.Optimizer):
     def update_multi_precision(self, index, weight, grad, state):
         if not isinstance(index, (list, tuple)):
             index, weight, grad, state = [index], [weight], [grad], [state]
-        for i, w, g in zip(index, weight, grad):
-            if g.stype != 'default' or w.stype != 'default':
-                raise TypeError("LBSGD supports only dense ('default') weights and gradients;"
-                                " parameter %s has weight stype %r, gradient stype %r"
-                                % (self._name(i), w.stype, g.stype))
+        if (weight[0].context, tuple(index)) not in self._plans:   # checked once per call
+            for i, w, g in zip(index, weight, grad):                # signature
+                if g.stype != 'default' or w.stype != 'default':
+                    raise TypeError("LBSGD supports only dense ('default') weights and "
+                                    "gradients; parameter %s has weight stype %r, gradient "
+                                    "stype %r" % (self._name(i), w.stype, g.stype))
         if self.window_phase == 'partial':
             self._update_count(index)      # summed at the Trainer; nothing to apply yet
             self.last_step_skipped = False
@@ -425,10 +426,13 @@ class LBSGD(mx.optimizer.Optimizer):
         lars = plan['keep_lr'] is not None and not all(plan['keep_lr'])
         if plan['keep_lr'] is None:
             W = self.warmup_epochs * self.updates_per_epoch
-            lrs = [lr * warmup_multiplier(self.init_updates + self._index_update_count[i]
-                                          - self.begin_num_update, W, B,
-                                          self.warmup_strategy)
-                   for lr, i in zip(lrs, index)]
+            mults = {}      # parameters of a call mostly share one position
+            for i in index:
+                k = self._index_update_count[i]
+                if k not in mults:
+                    mults[k] = warmup_multiplier(self.init_updates + k - self.begin_num_update,
+                                                 W, B, self.warmup_strategy)
+            lrs = [lr * mults[self._index_update_count[i]] for lr, i in zip(lrs, index)]
         for kernel, pos in plan['routes']:
             pick = lambda seq: [seq[j] for j in pos]   # noqa: E731
             weights, grads, masters = pick(weight), pick(grad), pick(plan['masters'])
