@@ -184,3 +184,10 @@ def updater_state(updater, index, weight):
                                                            weight.context)
         updater.states_synced[index] = True
     return updater.states[index]
+
+
+def module_param_arrays(mod):
+    """A bound Module's parameter arrays (per parameter, per device) and their names, in the
+    order its Updater keys them (index * num_devices + device)."""
+    group = mod._exec_group
+    return group.param_arrays, group.param_names

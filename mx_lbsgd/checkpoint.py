@@ -1,4 +1,4 @@
-"""Atomic, validated checkpoints of optimizer states for gluon Trainers and Modules.
+"""Atomic, checksummed, safely loaded checkpoints of optimizer states (Trainer, Module).
 
 MXNet writes `Trainer.save_states` and `Module.save_checkpoint` files in place, so a process
 killed mid-save leaves a truncated file and loading it fails deep inside pickle. These
@@ -13,20 +13,93 @@ update counters, ``num_update``, the learning rate and its scheduler and, for mx
 optimizers, the accumulation window and the loss scaler. Loading puts all of it into the
 live optimizer, so objects that hold its scaler keep seeing the live one. Files written by
 MXNet's ``save_states``/``save_optimizer_states`` and by mx_lbsgd 0.1 load too.
+
+Safety: a file is read with a restricted unpickler (`_SafeUnpickler`) that accepts MXNet
+NDArrays, builtin containers and scalars, numpy arrays/scalars/dtypes, MXNet's optimizers and
+LR schedulers and this package's optimizer, scaler and scheduler classes, and refuses every
+other global (functions, ``os.system``, ``eval``, ``builtins.__import__``, ...) with a
+ValueError naming it, before anything runs. ``trusted=True`` unpickles without restriction,
+for files you wrote yourself that hold other types (a custom LR scheduler, a callable
+``lars_exclude``). Pickle is kept, not replaced by a new format, because MXNet's own
+``save_states`` files are pickles that must keep loading, and one reader serves both.
+
+Integrity: files written here start with ``MX_LBSGD_MAGIC`` and the SHA-256 of the rest,
+checked before unpickling: a flipped bit or a truncation anywhere gives "corrupted; load an
+earlier checkpoint". ``save_checkpoint`` writes a ``.sha256`` sidecar next to the symbol and
+params files (MXNet's formats, which MXNet's loaders read as they are); `load_checkpoint`
+checks them. Loading validates every state against the target's parameters (keys, layout,
+shapes, dtypes) before it changes anything.
 """
+import hashlib
+import io
 import os
 import pickle
 import tempfile
 
+import numpy as np
 import mxnet as mx
 
 from . import _compat
 from .lbsgd import _Ledger
 
-__all__ = ['save_states', 'load_states', 'save_checkpoint']
+__all__ = ['save_states', 'load_states', 'save_checkpoint', 'load_checkpoint']
 
 _FORMAT = 'mx_lbsgd.states'
 _VERSION = 2
+MX_LBSGD_MAGIC = b'MXLBSGD-STATES\x00\x02'
+_DIGEST = 32
+
+
+def _allowed_globals():
+    allowed = {('mxnet.ndarray.ndarray', 'NDArray'), ('mxnet.numpy', 'ndarray'),
+               ('mxnet.numpy.multiarray', 'ndarray'),
+               ('numpy', 'ndarray'), ('numpy', 'dtype'),
+               ('numpy.core.multiarray', '_reconstruct'), ('numpy.core.multiarray', 'scalar'),
+               ('numpy._core.multiarray', '_reconstruct'), ('numpy._core.multiarray', 'scalar'),
+               ('collections', 'OrderedDict'), ('copyreg', '_reconstructor'),
+               ('builtins', 'object'), ('builtins', 'set'), ('builtins', 'frozenset'),
+               ('builtins', 'slice'), ('builtins', 'complex'), ('builtins', 'bytearray'),
+               ('_codecs', 'encode'),
+               ('mx_lbsgd.lbsgd', 'LBSGD'), ('mx_lbsgd.lbsgd', '_Ledger'),
+               ('mx_lbsgd.lssgd', 'LossScaledSGD'),
+               ('mx_lbsgd.loss_scale', 'DynamicLossScaler'),
+               ('mx_lbsgd.lr_scheduler', 'WarmupScheduler')}
+    for cls in set(mx.optimizer.Optimizer.opt_registry.values()):
+        allowed.add((cls.__module__, cls.__name__))
+    for name in ('LRScheduler', 'FactorScheduler', 'MultiFactorScheduler', 'PolyScheduler',
+                 'CosineScheduler'):
+        allowed.add(('mxnet.lr_scheduler', name))
+    return allowed
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Resolves only the globals of `_allowed_globals`; anything else is refused before it
+    could be called."""
+
+    def find_class(self, module, name):
+        if (module, name) in _allowed_globals():
+            return super().find_class(module, name)
+        raise _Refused('%s.%s' % (module, name))
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+def _unpickle(blob, path, trusted):
+    try:
+        if trusted:
+            return pickle.loads(blob)
+        return _SafeUnpickler(io.BytesIO(blob)).load()
+    except _Refused as err:
+        raise ValueError(
+            'optimizer states file %r refers to %s, which is not an allowed type, so it was '
+            'not loaded (loading it could run code). If you trust the file, load it with '
+            'mx_lbsgd.checkpoint.load_states(target, path, trusted=True)' % (path, err)) from None
+    except Exception as err:   # truncated or corrupted: any unpickling error
+        raise ValueError('optimizer states file %r (%d bytes) is truncated or corrupted '
+                         '(%s: %s); load an earlier checkpoint or start from fresh optimizer '
+                         'states' % (path, len(blob), type(err).__name__, err)) from None
 
 
 def _atomic_write(path, write):
@@ -91,9 +164,10 @@ def save_states(target, path):
     """Atomically write the optimizer states (every device) and progress of a gluon.Trainer
     or a Module to `path`."""
     updaters, opt = _updaters(target)
-    blob = pickle.dumps({'format': _FORMAT, 'version': _VERSION,
-                         'states': [u.states for u in updaters],
-                         'progress': _progress(opt)}, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = pickle.dumps({'format': _FORMAT, 'version': _VERSION,
+                            'states': [u.states for u in updaters],
+                            'progress': _progress(opt)}, protocol=pickle.HIGHEST_PROTOCOL)
+    blob = MX_LBSGD_MAGIC + hashlib.sha256(payload).digest() + payload
     _atomic_write(path, lambda tmp: _write_bytes(tmp, blob))
 
 
@@ -102,27 +176,46 @@ def _write_bytes(path, blob):
         f.write(blob)
 
 
-def _read(path):
+def _read(path, trusted=False):
     """(per-device states, progress or None) of any supported file, checked."""
+    if os.path.isdir(path):
+        raise ValueError('optimizer states path %r is a directory, not a states file' % path)
     try:
         with open(path, 'rb') as f:
             blob = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError('optimizer states file %r does not exist' % path) from None
     except OSError as err:
         raise ValueError('cannot read optimizer states %r: %s' % (path, err)) from None
-    try:
-        content = pickle.loads(blob)
-    except Exception as err:   # truncated or corrupted: any unpickling error
-        raise ValueError('optimizer states file %r (%d bytes) is truncated or corrupted '
-                         '(%s: %s); load an earlier checkpoint or start from fresh optimizer '
-                         'states' % (path, len(blob), type(err).__name__, err)) from None
+    if not blob:
+        raise ValueError('optimizer states file %r is empty; load an earlier checkpoint'
+                         % path)
+    if blob.startswith(MX_LBSGD_MAGIC):
+        digest = blob[len(MX_LBSGD_MAGIC):len(MX_LBSGD_MAGIC) + _DIGEST]
+        payload = blob[len(MX_LBSGD_MAGIC) + _DIGEST:]
+        if hashlib.sha256(payload).digest() != digest:
+            raise ValueError('optimizer states file %r is corrupted (its SHA-256 does not '
+                             'match: truncated or changed since it was written); load an '
+                             'earlier checkpoint' % path)
+        blob = payload
+    content = _unpickle(blob, path, trusted)
     optimizer = None
     if isinstance(content, dict) and content.get('format') == _FORMAT:
-        return content['states'], content['progress']
+        states, progress = content.get('states'), content.get('progress')
+        if not (isinstance(states, list) and states and isinstance(progress, dict)
+                and all(isinstance(d, dict) for d in states)):
+            raise ValueError('%r is not a valid mx_lbsgd states file (malformed content)'
+                             % path)
+        return states, progress
     if isinstance(content, tuple) and len(content) == 2:       # Trainer.save_states
         content, optimizer = content
+        if not isinstance(optimizer, mx.optimizer.Optimizer):
+            raise ValueError('%r is not an optimizer states file (it holds a pair whose '
+                             'second item is a %s, not an optimizer)'
+                             % (path, type(optimizer).__name__))
     if not isinstance(content, dict):
-        raise ValueError('%r is not an optimizer states file (it holds a %s)'
-                         % (path, type(content).__name__))
+        raise ValueError('%r is not an optimizer states file (it holds a %s; expected a '
+                         'dict of per-parameter states)' % (path, type(content).__name__))
     states, progress = _strip_ledgers(content)
     if progress is None and optimizer is not None:
         progress = _progress(optimizer)
@@ -144,23 +237,104 @@ def _strip_ledgers(states):
     return clean, progress
 
 
-def load_states(target, path):
-    """Check `path`, then load it into a gluon.Trainer or a Module. A truncated or
-    corrupted file raises ValueError before anything changes."""
-    device_states, progress = _read(path)
+def load_states(target, path, trusted=False):
+    """Check `path`, then load it into a gluon.Trainer or a Module. A missing file raises
+    FileNotFoundError; any other problem (corrupted, not a states file, types outside the
+    allowlist without ``trusted=True``, states that do not fit the target's parameters)
+    raises ValueError before anything changes."""
+    device_states, progress = _read(path, trusted)
     updaters, opt = _updaters(target)
+    weights = _weights_by_key(target)
+    chosen = []
     for k, updater in enumerate(updaters):
         states = device_states[k] if k < len(device_states) else device_states[0]
+        for key, state in states.items():
+            _check_state(path, opt, key, state, weights[k].get(key))
+        chosen.append(states)
+    if progress is not None:
+        _check_progress(path, progress)
+    for k, (updater, states) in enumerate(zip(updaters, chosen)):
         updater.states = dict(states) if k == 0 else pickle.loads(pickle.dumps(states))
         updater.states_synced = dict.fromkeys(updater.states, False)
     if progress is not None:
         _load_progress(opt, progress)
 
 
+def _weights_by_key(target):
+    """Per updater: state key -> the weight array it belongs to."""
+    if isinstance(target, mx.gluon.Trainer):
+        params = _compat.trainer_params(target)
+        return [{i: _compat.legacy(p.list_data()[k]) for i, p in enumerate(params)
+                 if p.grad_req != 'null'} for k in range(len(_compat.trainer_updaters(target)))]
+    arrays, names = _compat.module_param_arrays(target)
+    n = len(arrays[0]) if arrays else 1
+    by_key = {}
+    for i, (name, per_device) in enumerate(zip(names, arrays)):
+        by_key[name] = per_device[0]
+        for k, array in enumerate(per_device):
+            by_key[i * n + k] = array
+    return [by_key]
+
+
+def _arrays_of(state):
+    parts = state if isinstance(state, tuple) else (state,)
+    return [None if p is None else (tuple(p.shape), np.dtype(p.dtype).name) for p in parts]
+
+
+def _check_state(path, opt, key, state, weight):
+    if weight is None:
+        raise ValueError('optimizer states file %r has a state for parameter %r, which the '
+                         'target does not have (a different model or parameter order?)'
+                         % (path, key))
+    if not all(p is None or isinstance(p, mx.nd.NDArray)
+               for p in (state if isinstance(state, tuple) else (state,))):
+        raise ValueError('optimizer states file %r: the state of parameter %r holds %r, '
+                         'not NDArrays' % (path, key, state))
+    expected = _arrays_of(opt.create_state_multi_precision(key, weight))
+    got = _arrays_of(state)
+    if got != expected:
+        raise ValueError(
+            'optimizer states file %r does not fit this %s for parameter %r: it holds '
+            '%s, this optimizer needs %s (shape, dtype; None: no array). It was written for '
+            'another optimizer configuration or model; use matching settings or start from '
+            'fresh optimizer states' % (path, type(opt).__name__, key, got, expected))
+
+
+def _check_progress(path, progress):
+    counts = progress.get('index_update_counts')
+    if not isinstance(counts, dict) or not isinstance(progress.get('num_update'), int):
+        raise ValueError('optimizer states file %r has malformed progress counters' % path)
+
+
 def save_checkpoint(mod, prefix, epoch, save_optimizer_states=True):
     """`Module.save_checkpoint`, with every file written atomically:
-    prefix-symbol.json, prefix-%04d.params and (optionally) prefix-%04d.states."""
-    _atomic_write('%s-symbol.json' % prefix, mod.symbol.save)
-    _atomic_write('%s-%04d.params' % (prefix, epoch), mod.save_params)
+    prefix-symbol.json, prefix-%04d.params (each with a .sha256 sidecar) and (optionally)
+    prefix-%04d.states."""
+    for name, write in (('%s-symbol.json' % prefix, mod.symbol.save),
+                        ('%s-%04d.params' % (prefix, epoch), mod.save_params)):
+        _atomic_write(name, write)
+        with open(name, 'rb') as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        _atomic_write(name + '.sha256', lambda tmp, d=digest, n=name: _write_bytes(
+            tmp, ('%s  %s\n' % (d, os.path.basename(n))).encode()))
     if save_optimizer_states:
         save_states(mod, '%s-%04d.states' % (prefix, epoch))
+
+
+def load_checkpoint(prefix, epoch):
+    """`mx.model.load_checkpoint` after checking the .sha256 sidecars that
+    `save_checkpoint` wrote: (symbol, arg_params, aux_params)."""
+    for name in ('%s-symbol.json' % prefix, '%s-%04d.params' % (prefix, epoch)):
+        if not os.path.exists(name):
+            raise FileNotFoundError('checkpoint file %r does not exist' % name)
+        try:
+            with open(name + '.sha256') as f:
+                expected = f.read().split()[0]
+        except (OSError, IndexError):
+            raise ValueError('checkpoint file %r has no readable .sha256 sidecar; it was not '
+                             'written by mx_lbsgd.checkpoint.save_checkpoint' % name) from None
+        with open(name, 'rb') as f:
+            if hashlib.sha256(f.read()).hexdigest() != expected:
+                raise ValueError('checkpoint file %r is corrupted (its SHA-256 does not '
+                                 'match the sidecar); load an earlier checkpoint' % name)
+    return mx.model.load_checkpoint(prefix, epoch)

@@ -453,11 +453,15 @@ class LBSGD(mx.optimizer.Optimizer):
         # param_dict is not pickled; keep its names (LARS exclusions on kvstore servers)
         state['idx2name'] = dict(self.idx2name)
         state['idx2name'].update((i, p.name) for i, p in self.param_dict.items())
-        state['_scratch'] = {}
-        state['_plans'] = {}
-        state['_gate'] = _scaling._StepGate(self.fused)
+        for transient in ('_scratch', '_plans', '_gate'):   # rebuilt by __setstate__
+            state.pop(transient, None)
         state['window_phase'] = None     # set afresh by the Trainer glue at every step
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._scratch, self._plans = {}, {}
+        self._gate = _scaling._StepGate(self.fused)
 
     def __reduce_ex__(self, protocol):
         # kvstore.set_optimizer pickles with protocol 0 to send the optimizer to the
