@@ -191,3 +191,38 @@ def module_param_arrays(mod):
     order its Updater keys them (index * num_devices + device)."""
     group = mod._exec_group
     return group.param_arrays, group.param_names
+
+
+def exit_when_server_command_fails(server):
+    """Make a ``mx.kv.KVStoreServer`` end its process (status 1, traceback on stderr) when a
+    command from the workers fails, instead of going on; call it before ``server.run()``.
+
+    Why: the only command is ``kv.set_optimizer`` (the pickled optimizer). The server loop
+    calls the Python controller through a ctypes callback, where an exception (an optimizer
+    class the server cannot import, a refused unpickle) is printed and ignored: the server
+    then sums gradients without updating and the job trains nothing. ``KVStoreServer.run``
+    takes its controller from the private ``_controller()`` factory, the one place to wrap
+    it. Checked on MXNet 1.9.1 (``mxnet/kvstore/kvstore_server.py``).
+    """
+    import os
+    import traceback
+    control = server._controller()
+
+    def controller(*args):
+        try:
+            control(*args)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+    server._controller = lambda: controller
+    return server
+
+
+def grad_stype(param):
+    """A gluon Parameter's gradient storage type (Parameter has no public accessor)."""
+    return getattr(param, '_grad_stype', 'default')
+
+
+def has_sparse_gradients(trainer):
+    return any(grad_stype(p) != 'default' for p in trainer_params(trainer))

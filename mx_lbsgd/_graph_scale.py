@@ -4,9 +4,10 @@ A loss layer's `grad_scale` is fixed when the executor is bound, so a dynamic sc
 the graph through a custom operator: the identity in forward; in backward it multiplies
 the incoming gradient by the current scale of the loss scaler served under its key. A
 loss-scaled optimizer (`'lssgd'`, `LBSGD(loss_scaler=...)`) serves its scaler under
-`scale_key` when it is created or unpickled. Backward runs before the optimizer reads the
-overflow flag and updates the scale, so the scale a step's gradients carry is the scale the
-optimizer divides by.
+`scale_key` when it is created and after each of its updates (never when it is unpickled or
+copied: that has no global effect). Backward runs before the optimizer reads the overflow
+flag and updates the scale; the optimizer divides by the scale of the scaler that was served
+when backward ran.
 """
 import mxnet as mx
 

@@ -116,10 +116,14 @@ def write_mean(*, grads, accs, first, factor, mean_factor, scratch):
             if factor * mean_factor != 1.0:
                 nd._internal._mul_scalar(grad, scalar=factor * mean_factor, out=grad)
             continue
-        accumulate(accs=[acc], grads=[grad], first=False, factor=factor, scratch=scratch)
         if acc.dtype == grad.dtype:
-            nd._internal._mul_scalar(acc, scalar=mean_factor, out=grad)
+            # one pass: sgd_update gives (1 - lr*wd) * grad - lr * acc, which with
+            # lr = -m and wd = (m*factor - 1)/m is m * (acc + factor * grad)
+            m = mean_factor
+            nd.sgd_update(grad, acc, out=grad, lr=-m, wd=(m * factor - 1.0) / m,
+                          rescale_grad=1.0)
         else:
+            accumulate(accs=[acc], grads=[grad], first=False, factor=factor, scratch=scratch)
             nd._internal._mul_scalar(acc, scalar=mean_factor, out=acc)
             nd.Cast(acc, dtype=grad.dtype, out=grad)
 
@@ -228,6 +232,8 @@ def finite_flag(arrays, fused):
     """
     groups = {}
     for a in arrays:
+        if a.stype != 'default':
+            a = a.data          # the stored values only (row_sparse rows, csr entries)
         groups.setdefault((a.context, a.dtype), []).append(a)
     flags = {}
     for (ctx, _), group in groups.items():
@@ -251,3 +257,63 @@ def scale_in_place(arrays, factor):
     """arrays[i] *= factor (unscaling gradients for clipping)."""
     for a in arrays:
         a *= factor
+
+
+# -- sparse and non-default storage (row_sparse gradients, csr/row_sparse weights) -------
+def _sparse_kwargs(momentum, rescale_grad, clip_gradient):
+    kwargs = {'rescale_grad': rescale_grad}
+    if momentum > 0:
+        kwargs['momentum'] = momentum
+    if clip_gradient:
+        kwargs['clip_gradient'] = clip_gradient
+    return kwargs
+
+
+def _sparse_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad,
+                clip_gradient, lazy_update):
+    """One tensor at a time with MXNet's sgd_update / sgd_mom_update and `lazy_update`,
+    as mx.optimizer.SGD calls them for non-default storage: a row_sparse gradient updates
+    only its rows when lazy (weight, momentum, weight decay), every row otherwise; csr or
+    row_sparse weights go through MXNet's own storage fallback. With an fp32 master copy
+    the (row_sparse) gradient is cast to fp32 and the master copy is updated, lazily too,
+    then cast into the weight (MXNet's mp_sgd_* kernels have no sparse path and fall back
+    to a dense update)."""
+    kwargs = _sparse_kwargs(momentum, rescale_grad, clip_gradient)
+    for w, g, m, w32, lr, wd in zip(weights, grads, moms, masters, lrs, wds):
+        target = w if w32 is None else w32
+        if w32 is not None and g.dtype != w32.dtype:
+            g = g.astype(w32.dtype)
+        if m is None:
+            nd.sgd_update(target, g, out=target, lazy_update=lazy_update, lr=lr, wd=wd,
+                          **kwargs)
+        else:
+            nd.sgd_mom_update(target, g, m, out=target, lazy_update=lazy_update, lr=lr, wd=wd,
+                              **kwargs)
+        if w32 is not None:
+            nd.Cast(w32, dtype=w.dtype, out=w)
+
+
+def sparse_lars_factor(*, weight, grad, wd, eta, eps, rescale_grad, lars_min, lars_max):
+    """The LARS trust ratio of one layer with a row_sparse gradient, over the rows present
+    (norms on the device, one value read back: the sparse kernels take lr as a float)."""
+    rows = grad.indices
+    wn = float(nd.norm(nd.take(weight, rows).astype(np.float32)).asscalar())
+    gn = float(nd.norm(grad.data.astype(np.float32)).asscalar()) * rescale_grad
+    if wn == 0.0 or gn == 0.0:
+        return 1.0
+    return min(max(eta * wn / (gn + wd * wn + eps), lars_min), lars_max)
+
+
+def accumulate_sparse(*, acc, grad, first, factor):
+    """acc = factor * grad (first) or acc + factor * grad, for a row_sparse gradient: a
+    row_sparse accumulator keeps the union of the rows (memory proportional to the rows
+    touched); a dense one is updated on the gradient's rows only."""
+    scaled = grad * factor if factor != 1.0 else grad
+    if scaled.dtype != acc.dtype:
+        scaled = scaled.astype(acc.dtype)
+    if acc.stype == 'row_sparse':
+        (scaled if first else acc + scaled).copyto(acc)
+        return
+    if first:
+        acc[:] = 0
+    nd.sgd_update(acc, scaled, out=acc, lr=-1.0, wd=0.0, lazy_update=True)

@@ -42,7 +42,10 @@ class _Window:
     def __call__(self):
         trainer, opt = self.trainer, self.trainer.optimizer
         if (getattr(trainer, '_mx_lbsgd_no_window', False) or getattr(opt, 'batch_scale', 1) < 2
-                or _compat.trainer_updates_on_kvstore(trainer)):
+                or _compat.trainer_updates_on_kvstore(trainer)
+                or _compat.has_sparse_gradients(trainer)):
+            # sparse gradients: MXNet's Trainer pushes and pulls them separately, row by
+            # row; they are accumulated after that reduction, by the optimizer
             opt.window_phase = None          # the kvstore's updater accumulates
             return self.original()
         position = opt.window_position + 1

@@ -61,10 +61,14 @@ def _allowed_globals():
                ('builtins', 'slice'), ('builtins', 'complex'), ('builtins', 'bytearray'),
                ('_codecs', 'encode'),
                ('mx_lbsgd.lbsgd', 'LBSGD'), ('mx_lbsgd.lbsgd', '_Ledger'),
+               ('mx_lbsgd._step_gate', '_StepGate'),       # in files of mx_lbsgd 0.1
                ('mx_lbsgd.lssgd', 'LossScaledSGD'),
                ('mx_lbsgd.loss_scale', 'DynamicLossScaler'),
                ('mx_lbsgd.lr_scheduler', 'WarmupScheduler')}
-    for cls in set(mx.optimizer.Optimizer.opt_registry.values()):
+    optimizers = set(mx.optimizer.Optimizer.opt_registry.values())
+    optimizers |= {cls for cls in vars(mx.optimizer.optimizer).values()   # MXNet's LBSGD,
+                   if isinstance(cls, type) and issubclass(cls, mx.optimizer.Optimizer)}
+    for cls in optimizers:                                 # which ours replaced as 'lbsgd'
         allowed.add((cls.__module__, cls.__name__))
     for name in ('LRScheduler', 'FactorScheduler', 'MultiFactorScheduler', 'PolyScheduler',
                  'CosineScheduler'):
@@ -297,7 +301,9 @@ def _check_state(path, opt, key, state, weight):
             'optimizer states file %r does not fit this %s for parameter %r: it holds '
             '%s, this optimizer needs %s (shape, dtype; None: no array). It was written for '
             'another optimizer configuration or model; use matching settings or start from '
-            'fresh optimizer states' % (path, type(opt).__name__, key, got, expected))
+            'fresh optimizer states (states of MXNet\'s SGD/LBSGD fit lbsgd with '
+            'batch_scale=1 and the same momentum and multi_precision)'
+            % (path, type(opt).__name__, key, got, expected))
 
 
 def _check_progress(path, progress):

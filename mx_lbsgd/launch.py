@@ -59,22 +59,15 @@ _POLL = 0.05
 # server loop is run. MXNet ignores an exception raised while loading the optimizer sent by
 # ``kv.set_optimizer`` (the server then just sums gradients): exit instead.
 _BOOTSTRAP = """\
-import os, sys, traceback
+import os
 role = os.environ['DMLC_ROLE']
 os.environ['DMLC_ROLE'] = 'worker'
 import mxnet as mx
 import mx_lbsgd
 os.environ['DMLC_ROLE'] = role
+from mx_lbsgd._compat import exit_when_server_command_fails
 server = mx.kv.KVStoreServer(mx.kv.create('dist'))
-control = server._controller()
-def controller(*args):
-    try:
-        control(*args)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-server._controller = lambda: controller
+exit_when_server_command_fails(server)
 server.run()
 """
 

@@ -111,13 +111,21 @@ class LBSGD(mx.optimizer.Optimizer):
         and accumulation counters never advance on a skipped step.
     scale_key : str, default 'default'
         Name under which ``loss_scaler`` serves :func:`mx_lbsgd.scale_gradient` ops (Module).
+    lazy_update : bool, default True
+        As in ``mx.optimizer.SGD``: with a row_sparse gradient only its rows change
+        (weight, momentum, weight decay, fp32 master rows); False updates every row.
+        Tensors with non-default storage (row_sparse gradients, csr or row_sparse weights)
+        run one by one through MXNet's sparse-aware kernels, as SGD runs them. With
+        ``batch_scale > 1`` a row_sparse gradient accumulates over the union of its rows
+        (in a row_sparse buffer for gluon Parameters with ``grad_stype='row_sparse'``).
+        LARS norms of such a layer cover the rows present and are read back once.
     """
 
     def __init__(self, momentum=0.0, multi_precision=False, warmup_strategy='linear',
                  warmup_epochs=5, batch_scale=1, updates_per_epoch=32, begin_epoch=0,
                  num_epochs=60, lars_eta=0.001, lars_eps=0.0, lars_min=0.0,
                  lars_max=float('inf'), lars_exclude=None, fused=None, loss_scaler=None,
-                 count_skipped_steps=False, scale_key='default', **kwargs):
+                 count_skipped_steps=False, scale_key='default', lazy_update=True, **kwargs):
         check_real('momentum', momentum, 0.0, 1.0, open_max=True)
         check_choice('warmup_strategy', warmup_strategy, WARMUP_STRATEGIES)
         check_real('warmup_epochs', warmup_epochs, 0.0)
@@ -162,6 +170,7 @@ class LBSGD(mx.optimizer.Optimizer):
                              else lars_exclude if callable(lars_exclude)
                              else tuple(lars_exclude))
         self.fused = fused
+        self.lazy_update = bool(lazy_update)
         # The Updater hands over every parameter of a dtype at once; kernels chunk by 60.
         self.aggregate_num = 1 << 30
         self._scratch = {}
@@ -218,27 +227,34 @@ class LBSGD(mx.optimizer.Optimizer):
             raise ValueError('batch_scale=%d with float16 weights needs multi_precision=True:'
                              ' the float32 accumulated gradient updates the float32 master '
                              'copy' % self.batch_scale)
-        return self._make_state(weight, weight.dtype, master=None)
+        return self._make_state(index, weight, weight.dtype, master=None)
 
     def create_state_multi_precision(self, index, weight):
         self._gate.created((weight.context, index))
         if self._uses_master(weight):
-            return self._make_state(weight, np.float32, master=weight.astype(np.float32))
+            return self._make_state(index, weight, np.float32,
+                                    master=weight.astype(np.float32))
         state = self.create_state(index, weight)
         if weight.dtype == np.float16:
             warnings.warn('Accumulating with float16 in optimizer can lead to poor accuracy '
                           'or slow convergence. Consider multi_precision=True.')
         return state
 
-    def _make_state(self, weight, dtype, master):
-        """MXNet SGD's layout (mom, or (mom, weight_fp32)), then an accumulator when
-        batch_scale > 1."""
-        mom = (nd.zeros(weight.shape, weight.context, dtype=dtype)
+    def _make_state(self, index, weight, dtype, master):
+        """MXNet SGD's layout (mom, or (mom, weight_fp32); the momentum takes the weight's
+        storage type when lazy_update, as SGD's does), then an accumulator when
+        batch_scale > 1 (row_sparse for a gluon Parameter with a row_sparse gradient)."""
+        stype = weight.stype if self.lazy_update else 'default'
+        mom = (nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype)
                if self.momentum != 0.0 else None)
         parts = [mom] if master is None else [mom, master]
         if self.batch_scale > 1:
             acc_dtype = np.promote_types(weight.dtype, np.float32)
-            parts.append(nd.zeros(weight.shape, weight.context, dtype=acc_dtype))
+            param = self.param_dict.get(index)
+            acc_stype = 'row_sparse' if param is not None and \
+                _compat.grad_stype(param) == 'row_sparse' else 'default'
+            parts.append(nd.zeros(weight.shape, weight.context, dtype=acc_dtype,
+                                  stype=acc_stype))
         return parts[0] if len(parts) == 1 else tuple(parts)
 
     def split_state(self, weight, state):
@@ -317,12 +333,6 @@ class LBSGD(mx.optimizer.Optimizer):
     def update_multi_precision(self, index, weight, grad, state):
         if not isinstance(index, (list, tuple)):
             index, weight, grad, state = [index], [weight], [grad], [state]
-        if (weight[0].context, tuple(index)) not in self._plans:   # checked once per call
-            for i, w, g in zip(index, weight, grad):                # signature
-                if g.stype != 'default' or w.stype != 'default':
-                    raise TypeError("LBSGD supports only dense ('default') weights and "
-                                    "gradients; parameter %s has weight stype %r, gradient "
-                                    "stype %r" % (self._name(i), w.stype, g.stype))
         if self.window_phase == 'partial':
             self._update_count(index)      # summed at the Trainer; nothing to apply yet
             self.last_step_skipped = False
@@ -373,17 +383,21 @@ class LBSGD(mx.optimizer.Optimizer):
             top = max(self._index_update_count[i] for i in index)
             self.num_update = max(self.num_update, top + self._skipped_updates)
 
-    def _plan(self, index, weight, state):
-        """Per call signature, computed once: the state parts, the kernel routes and the
+    def _plan(self, index, weight, grad, state):
+        """Per call signature, computed once: the state parts, the kernel routes (tensors
+        with non-default storage go one by one through MXNet's sparse-aware kernels) and the
         LARS exclusions (states are re-split when the Updater's state objects change)."""
         key = (weight[0].context, tuple(index))
         plan = self._plans.get(key)
         if plan is not None and all(a is b for a, b in zip(plan['state'], state)):
             return plan
         parts = [self.split_state(w, s) for w, s in zip(weight, state)]
+        sparse = [j for j, (w, g) in enumerate(zip(weight, grad))
+                  if w.stype != 'default' or g.stype != 'default']
         groups = {}
         for j, w in enumerate(weight):
-            groups.setdefault((w.dtype, parts[j][1] is None), []).append(j)
+            if j not in sparse:
+                groups.setdefault((w.dtype, parts[j][1] is None), []).append(j)
         routes = []
         for members in groups.values():
             single, multi = _kernels.route([weight[j].size for j in members],
@@ -393,7 +407,7 @@ class LBSGD(mx.optimizer.Optimizer):
         lars = self.warmup_strategy == 'lars'
         plan = {'state': list(state), 'moms': [p[0] for p in parts],
                 'masters': [p[1] for p in parts], 'accs': [p[2] for p in parts],
-                'routes': [(fn, pos) for fn, pos in routes if pos],
+                'routes': [(fn, pos) for fn, pos in routes if pos], 'sparse': sparse,
                 'keep_lr': [not self._lars_applies(i) for i in index] if lars else None}
         self._plans[key] = plan
         return plan
@@ -401,12 +415,17 @@ class LBSGD(mx.optimizer.Optimizer):
     def _apply(self, index, weight, grad, state, unscale):
         self._update_count(index)
         B = self.batch_scale
-        plan = self._plan(index, weight, state)
+        plan = self._plan(index, weight, grad, state)
         edge = self.window_phase is not None
         if B > 1 and not edge:
             steps = [self._index_update_count[i] - self.begin_num_update for i in index]
+            for j in plan['sparse']:
+                _kernels.accumulate_sparse(acc=plan['accs'][j], grad=grad[j],
+                                           first=steps[j] % B == 1,
+                                           factor=self.rescale_grad * unscale)
             for first in (True, False):
-                pick = [j for j, k in enumerate(steps) if (k % B == 1) == first]
+                pick = [j for j, k in enumerate(steps)
+                        if (k % B == 1) == first and j not in plan['sparse']]
                 if pick:
                     _kernels.accumulate(accs=[plan['accs'][j] for j in pick],
                                         grads=[grad[j] for j in pick], first=first,
@@ -417,7 +436,10 @@ class LBSGD(mx.optimizer.Optimizer):
                     raise RuntimeError('parameters of one call are at different positions '
                                        'of the accumulation window: %s' % (steps,))
                 return
-            grad = plan['accs']
+            grad = [acc.tostype('row_sparse')      # lazy over the window's rows (a dense
+                    if j in plan['sparse'] and grad[j].stype == 'row_sparse'   # buffer
+                    and acc.stype == 'default' else acc         # when no param_dict)
+                    for j, acc in enumerate(plan['accs'])]
             rescale = 1.0 / B     # already rescaled and unscaled, micro-batch by micro-batch
         else:
             rescale = self.rescale_grad * unscale   # at a Trainer: the window's mean
@@ -447,6 +469,27 @@ class LBSGD(mx.optimizer.Optimizer):
                    lrs=pick(lrs), wds=pick(wds), lr_vector=lr_vector,
                    momentum=self.momentum, rescale_grad=rescale,
                    clip_gradient=self.clip_gradient, scratch=self._scratch)
+        if plan['sparse']:
+            self._apply_sparse(plan, weight, grad, lrs, wds, rescale, lars)
+
+    def _apply_sparse(self, plan, weight, grad, lrs, wds, rescale, lars):
+        pos = plan['sparse']
+        lrs = [lrs[j] for j in pos]
+        if lars:
+            for n, j in enumerate(pos):
+                if not plan['keep_lr'][j] and grad[j].stype == 'row_sparse':
+                    norm_weight = plan['masters'][j] if plan['masters'][j] is not None \
+                        else weight[j]
+                    lrs[n] *= _kernels.sparse_lars_factor(
+                        weight=norm_weight, grad=grad[j], wd=wds[j], eta=self.lars_eta,
+                        eps=self.lars_eps, rescale_grad=rescale, lars_min=self.lars_min,
+                        lars_max=self.lars_max)
+        _kernels._sparse_sgd(weights=[weight[j] for j in pos], grads=[grad[j] for j in pos],
+                             moms=[plan['moms'][j] for j in pos],
+                             masters=[plan['masters'][j] for j in pos], lrs=lrs,
+                             wds=[wds[j] for j in pos], momentum=self.momentum,
+                             rescale_grad=rescale, clip_gradient=self.clip_gradient,
+                             lazy_update=self.lazy_update)
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -459,6 +502,10 @@ class LBSGD(mx.optimizer.Optimizer):
         return state
 
     def __setstate__(self, state):
+        # attributes that optimizers pickled by mx_lbsgd 0.1 lack
+        state = dict({'window_position': 0, 'lazy_update': True, '_kvstore_refusal': None},
+                     **state)
+        state['window_phase'] = None
         super().__setstate__(state)
         self._scratch, self._plans = {}, {}
         self._gate = _scaling._StepGate(self.fused)

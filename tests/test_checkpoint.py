@@ -87,8 +87,9 @@ def test_module_save_checkpoint_resumes_bit_identical(tmp_path, name, params):
     mod_b.fit(train, num_epoch=1,
               epoch_end_callback=lambda epoch, *_: checkpoint.save_checkpoint(
                   mod_b, prefix, epoch + 1))
-    assert sorted(os.listdir(tmp_path)) == ['run-0001.params', 'run-0001.states',
-                                            'run-symbol.json']
+    assert sorted(os.listdir(tmp_path)) == ['run-0001.params', 'run-0001.params.sha256',
+                                            'run-0001.states', 'run-symbol.json',
+                                            'run-symbol.json.sha256']
     mod_c, train = module(name, params)
     mod_c.load_params(prefix + '-0001.params')
     checkpoint.load_states(mod_c, prefix + '-0001.states')
@@ -162,7 +163,7 @@ def test_truncated_or_corrupted_file_gives_clear_error(tmp_path):
     checkpoint.save_states(trainer, path)
     blob = open(path, 'rb').read()
     open(path, 'wb').write(blob[:len(blob) // 2])
-    with pytest.raises(ValueError, match='truncated or corrupted'):
+    with pytest.raises(ValueError, match='corrupted'):
         checkpoint.load_states(trainer, path)
     open(path, 'wb').write(b'not a pickle at all')
     with pytest.raises(ValueError, match='truncated or corrupted'):
@@ -200,6 +201,11 @@ def test_states_from_mxnet_builtin_lbsgd(tmp_path, batch_scale, works):
     old.save_states(path)
     trainer = gluon.Trainer(net.collect_params(), 'lbsgd', dict(
         learning_rate=0.1, momentum=0.9, batch_scale=batch_scale), kvstore=None)
+    if not works:       # refused at load, before anything changes
+        with pytest.raises(ValueError, match='batch_scale=1'):
+            checkpoint.load_states(trainer, path)
+        assert not trainer._updaters[0].states
+        return
     checkpoint.load_states(trainer, path)
     assert isinstance(trainer._optimizer, mx_lbsgd.LBSGD)
     mom = trainer._updaters[0].states[0].asnumpy()
@@ -296,3 +302,199 @@ def test_two_device_trainer_resume_bit_identical(tmp_path):
     for a, c in zip(net_a.collect_params().values(), net_c.collect_params().values()):
         for ctx in ctxs:
             np.testing.assert_array_equal(a.data(ctx).asnumpy(), c.data(ctx).asnumpy())
+
+
+# -- files written by mx_lbsgd 0.1 -----------------------------------------------------------
+# 0.1 ended every per-parameter state with a `_Ledger` whose `.opt` is the optimizer: a
+# Trainer file is pickle.dumps((states, optimizer)), a Module file pickle.dumps(states).
+# The states below are today's layout (MXNet SGD's, then the accumulator) with that ledger
+# appended, written the way MXNet's Updater.get_states writes them.
+import pickle  # noqa: E402
+
+from mx_lbsgd import _graph_scale  # noqa: E402
+from mx_lbsgd.lbsgd import _Ledger  # noqa: E402
+
+
+def _v01_states(states, opt):
+    ledger = _Ledger(opt)              # one per optimizer in 0.1
+    return {key: (state if isinstance(state, tuple) else (state,)) + (ledger,)
+            for key, state in states.items()}
+
+
+def write_v01(path, states, opt, trainer_file):
+    old = _v01_states(states, opt)
+    with open(path, 'wb') as f:
+        f.write(pickle.dumps((old, opt) if trainer_file else old))
+
+
+def _assert_states_equal(got, want):
+    assert sorted(got) == sorted(want)
+    for key in want:
+        g = got[key] if isinstance(got[key], tuple) else (got[key],)
+        w = want[key] if isinstance(want[key], tuple) else (want[key],)
+        assert len(g) == len(w), key                   # the ledger is gone
+        assert not any(isinstance(p, _Ledger) for p in g)
+        for a, b in zip(g, w):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+
+
+def _counters(opt):
+    return ({k: dict(v) for k, v in opt._all_index_update_counts.items()}, opt.num_update)
+
+
+@pytest.mark.parametrize('name, params', OPTIMIZERS)
+def test_v01_trainer_file_loads_and_resumes_bit_identical(tmp_path, name, params):
+    net_a, trainer_a = fresh_trainer(name, params)
+    gluon_steps(net_a, trainer_a, 0, STEPS)
+    net_b, trainer_b = fresh_trainer(name, params)
+    gluon_steps(net_b, trainer_b, 0, STEPS // 2 + 1)
+    path = str(tmp_path / 'v01.states')
+    write_v01(path, trainer_b._updaters[0].states, trainer_b._optimizer, trainer_file=True)
+    net_b.save_parameters(str(tmp_path / 'net.params'))
+    net_c, trainer_c = fresh_trainer(name, params)
+    net_c.load_parameters(str(tmp_path / 'net.params'))
+    checkpoint.load_states(trainer_c, path)
+    _assert_states_equal(trainer_c._updaters[0].states, trainer_b._updaters[0].states)
+    opt_b, opt_c = trainer_b._optimizer, trainer_c._optimizer
+    assert _counters(opt_c) == _counters(opt_b) != ({0: {}}, 0)
+    if name == 'lssgd':
+        assert opt_c.loss_scaler.state_dict() == opt_b.loss_scaler.state_dict()
+        assert opt_c.loss_scaler.state_dict() != mx_lbsgd.DynamicLossScaler(
+            init_scale=2.0 ** 4, growth_interval=3).state_dict()
+    gluon_steps(net_c, trainer_c, STEPS // 2 + 1, STEPS)
+    for a, c in zip(net_a.collect_params().values(), net_c.collect_params().values()):
+        np.testing.assert_array_equal(a.data().asnumpy(), c.data().asnumpy())
+    assert _counters(trainer_c._optimizer) == _counters(trainer_a._optimizer)
+
+
+@pytest.mark.parametrize('name, params', OPTIMIZERS)
+def test_v01_module_file_takes_counters_from_the_ledger(tmp_path, name, params):
+    """A Module file holds no optimizer besides the ledgers': the counters and the loss
+    scale come from the ledger's optimizer, and training resumes bit for bit."""
+    mod_a, train = module(name, params)
+    mod_a.fit(train, num_epoch=3)
+    mod_b, train = module(name, params)
+    mod_b.fit(train, num_epoch=1)
+    mod_b.save_params(str(tmp_path / 'mod.params'))
+    path = str(tmp_path / 'v01.states')
+    write_v01(path, mod_b._updater.states, mod_b._optimizer, trainer_file=False)
+    mod_c, train = module(name, params)
+    mod_c.load_params(str(tmp_path / 'mod.params'))
+    checkpoint.load_states(mod_c, path)
+    _assert_states_equal(mod_c._updater.states, mod_b._updater.states)
+    assert _counters(mod_c._optimizer) == _counters(mod_b._optimizer)
+    assert mod_c._optimizer.num_update == 10
+    if name == 'lssgd':
+        assert (mod_c._optimizer.loss_scaler.state_dict()
+                == mod_b._optimizer.loss_scaler.state_dict())
+    mod_c.fit(train, num_epoch=3, begin_epoch=1)
+    for key, value in mod_a.get_params()[0].items():
+        np.testing.assert_array_equal(mod_c.get_params()[0][key].asnumpy(), value.asnumpy())
+    assert mod_c._optimizer.num_update == mod_a._optimizer.num_update
+
+
+@pytest.mark.parametrize('name, params', OPTIMIZERS)
+def test_mxnet_load_states_on_v01_file_fails_at_next_step(tmp_path, name, params):
+    net_b, trainer_b = fresh_trainer(name, params)
+    gluon_steps(net_b, trainer_b, 0, 3)
+    path = str(tmp_path / 'v01.states')
+    write_v01(path, trainer_b._updaters[0].states, trainer_b._optimizer, trainer_file=True)
+    net_c, trainer_c = fresh_trainer(name, params)
+    trainer_c.load_states(path)                 # MXNet's loader takes it as it is
+    before = [p.data().asnumpy() for p in net_c.collect_params().values()]
+    with pytest.raises(ValueError, match=r'mx_lbsgd\.checkpoint\.load_states'):
+        gluon_steps(net_c, trainer_c, 3, 4)
+    for b, p in zip(before, net_c.collect_params().values()):
+        np.testing.assert_array_equal(b, p.data().asnumpy())
+
+
+class _PickledAs:
+    """Pickles as an instance of `cls` whose __dict__ is `state` (what 0.1's __getstate__
+    wrote), whatever today's __getstate__ would write."""
+
+    def __init__(self, cls, state):
+        self.cls, self.state = cls, state
+
+    def __reduce_ex__(self, protocol):
+        import copyreg     # what protocol 0/1 pickles of plain classes use
+        return copyreg._reconstructor, (self.cls, object, None), self.state
+
+
+def _genuine_v01_optimizer(opt, monkeypatch, step_gate_module):
+    """What 0.1 pickled for `opt`: no window_position/window_phase/_plans (added later), its
+    own ledger, token and adopted set, and (with step_gate_module) a `_gate` of class
+    mx_lbsgd._step_gate._StepGate, the module 0.1 kept it in."""
+    import types
+    import uuid
+    state = dict(opt.__dict__)
+    state.pop('param_dict', None)
+    for later in ('window_position', 'window_phase', '_plans', '_gate'):
+        state.pop(later, None)
+    state['_scratch'] = {}
+    state['_token'] = uuid.uuid4().hex
+    state['_adopted'] = set()
+    proxy = _PickledAs(type(opt), state)
+    ledger = _Ledger(proxy)
+    state['_ledger'] = ledger
+    if step_gate_module:
+        fake = types.ModuleType('mx_lbsgd._step_gate')
+        gate_cls = type('_StepGate', (), {'__module__': 'mx_lbsgd._step_gate'})
+        fake._StepGate = gate_cls
+        monkeypatch.setitem(__import__('sys').modules, 'mx_lbsgd._step_gate', fake)
+        gate = gate_cls()
+        gate.__dict__.update(fused=opt.fused, skip=None, counted=False, scale=1.0,
+                             scale_override=None)
+        state['_gate'] = gate
+    return proxy, ledger
+
+
+@pytest.mark.parametrize('step_gate_module', [pytest.param(False, id='attributes-only'),
+                                              pytest.param(True, id='with-step-gate-class')])
+def test_genuine_v01_optimizer_in_the_ledger_loads(tmp_path, monkeypatch, step_gate_module):
+    name, params = 'lssgd', dict(loss_scaler=mx_lbsgd.DynamicLossScaler(
+        init_scale=2.0 ** 4, growth_interval=3))
+    net_b, trainer_b = fresh_trainer(name, params)
+    gluon_steps(net_b, trainer_b, 0, 3)
+    proxy, ledger = _genuine_v01_optimizer(trainer_b._optimizer, monkeypatch, step_gate_module)
+    old = {key: (state if isinstance(state, tuple) else (state,)) + (ledger,)
+           for key, state in trainer_b._updaters[0].states.items()}
+    path = str(tmp_path / 'v01.states')
+    with open(path, 'wb') as f:
+        f.write(pickle.dumps(old))              # a Module file: only the ledger has counters
+    monkeypatch.delitem(__import__('sys').modules, 'mx_lbsgd._step_gate', raising=False)
+    net_c, trainer_c = fresh_trainer(name, params)
+    checkpoint.load_states(trainer_c, path)
+    assert _counters(trainer_c._optimizer) == _counters(trainer_b._optimizer)
+    assert (trainer_c._optimizer.loss_scaler.state_dict()
+            == trainer_b._optimizer.loss_scaler.state_dict())
+
+
+# -- loading has no global side effects -------------------------------------------------------
+@pytest.mark.parametrize('writer', ['checkpoint', 'mxnet', 'v01'])
+def test_load_states_does_not_change_the_served_scalers(tmp_path, writer):
+    """The scale_gradient registry keeps serving the live optimizer's scaler: the optimizer
+    unpickled from the file (MXNet's and 0.1 files hold one) must not take the key over."""
+    key = 'load-side-effects-' + writer
+    params = dict(loss_scaler=mx_lbsgd.DynamicLossScaler(init_scale=2.0 ** 4,
+                                                          growth_interval=3), scale_key=key)
+    net_b, trainer_b = fresh_trainer('lssgd', params)
+    gluon_steps(net_b, trainer_b, 0, 4)
+    path = str(tmp_path / 'trainer.states')
+    if writer == 'checkpoint':
+        checkpoint.save_states(trainer_b, path)
+    elif writer == 'mxnet':
+        trainer_b.save_states(path)
+    else:
+        write_v01(path, trainer_b._updaters[0].states, trainer_b._optimizer, trainer_file=True)
+    net_c, trainer_c = fresh_trainer('lssgd', params)
+    live = trainer_c._optimizer.loss_scaler
+    assert _graph_scale.served(key) is live
+    before = dict(_graph_scale._SCALERS)
+    checkpoint.load_states(trainer_c, path)
+    assert set(_graph_scale._SCALERS) == set(before)
+    for k, scaler in before.items():
+        assert _graph_scale._SCALERS[k] is scaler, k
+    assert trainer_c._optimizer.loss_scaler is live          # loaded in place
+    assert live.state_dict() == trainer_b._optimizer.loss_scaler.state_dict()

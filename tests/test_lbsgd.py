@@ -178,17 +178,6 @@ def test_fp16_accumulation_without_master_copy_is_refused():
                                       mx.nd.ones((2,), dtype='float16'))
 
 
-def test_sparse_gradient_is_refused_before_any_change():
-    opt = mx_lbsgd.LBSGD(momentum=0.9)
-    w = mx.nd.ones((4, 2))
-    g = mx.nd.ones((4, 2)).tostype('row_sparse')
-    state = opt.create_state(0, w)
-    with pytest.raises(TypeError, match="dense"):
-        opt.update(0, w, g, state)
-    assert opt.num_update == 0
-    np.testing.assert_array_equal(w.asnumpy(), 1.0)
-
-
 BAD_ARGS = [
     pytest.param(dict(warmup_strategy='cubic'), ValueError,
                  r"expected one of \('linear', 'power2', 'sqrt', 'lars'\)", id='strategy'),

@@ -167,3 +167,114 @@ BAD = [
 def test_invalid_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         DynamicLossScaler(**kwargs)
+
+
+# -- the good-step count: restarted by an overflow and by a growth, kept across a reload --
+def trace(scaler, flags):
+    """(scale, num_good_steps, num_bad_steps) after each step."""
+    out = []
+    for flag in flags:
+        scaler.update(flag)
+        out.append((scaler.scale, scaler.num_good_steps, scaler.num_bad_steps))
+    return out
+
+
+# growth_interval=4, hysteresis=3, init 64; tables worked out by hand from the rule in
+# loss_scale's docstring. Without the restart, the 4th finite step (the first after the
+# overflow) would grow the scale to 128.
+GOOD_RESET = [
+    pytest.param(False, [
+        (F, (64.0, 1, 0)), (F, (64.0, 2, 0)), (F, (64.0, 3, 0)),
+        (O, (64.0, 0, 1)),                      # restarts the count, no backoff yet (1 < 3)
+        (F, (64.0, 1, 1)), (F, (64.0, 2, 1)), (F, (64.0, 3, 1)),
+        (F, (128.0, 0, 0)),                     # 4 finite steps since the overflow
+        (O, (128.0, 0, 1)), (O, (128.0, 0, 2)),
+        (F, (128.0, 1, 2)),                     # accumulated hysteresis keeps bad = 2
+        (O, (64.0, 0, 0)),                      # third overflow since the growth: backoff
+        (F, (64.0, 1, 0)), (F, (64.0, 2, 0)), (F, (64.0, 3, 0)), (F, (128.0, 0, 0)),
+    ], id='accumulated-hysteresis'),
+    pytest.param(True, [
+        (F, (64.0, 1, 0)), (F, (64.0, 2, 0)), (F, (64.0, 3, 0)),
+        (O, (64.0, 0, 1)),
+        (F, (64.0, 1, 0)), (F, (64.0, 2, 0)), (F, (64.0, 3, 0)),
+        (F, (128.0, 0, 0)),
+        (O, (128.0, 0, 1)), (O, (128.0, 0, 2)),
+        (F, (128.0, 1, 0)),                     # consecutive hysteresis: bad restarts too
+        (O, (128.0, 0, 1)),                     # so no backoff here
+        (O, (128.0, 0, 2)), (O, (64.0, 0, 0)),
+    ], id='consecutive-hysteresis'),
+]
+
+
+@pytest.mark.parametrize('consecutive, table', GOOD_RESET)
+def test_overflow_mid_interval_restarts_the_good_count(consecutive, table):
+    scaler = DynamicLossScaler(init_scale=64.0, growth_interval=4, hysteresis=3,
+                               consecutive_hysteresis=consecutive, max_scale=math.inf)
+    flags = [flag for flag, _ in table]
+    assert trace(scaler, flags) == [want for _, want in table]
+
+
+GROWTH_RESET = [
+    pytest.param(dict(init_scale=8.0, growth_interval=3, hysteresis=2), [
+        (O, (8.0, 0, 1)),
+        (F, (8.0, 1, 1)), (F, (8.0, 2, 1)),
+        (F, (16.0, 0, 0)),                      # growth clears good and bad
+        (F, (16.0, 1, 0)), (F, (16.0, 2, 0)),   # the count starts again from 0
+        (O, (16.0, 0, 1)),                      # bad was cleared: 1 < 2, no backoff
+        (F, (16.0, 1, 1)), (F, (16.0, 2, 1)), (F, (32.0, 0, 0)),
+        (F, (32.0, 1, 0)), (F, (32.0, 2, 0)), (F, (64.0, 0, 0)),
+    ], id='growth-clears-good-and-bad'),
+    pytest.param(dict(init_scale=2.0 ** 23, growth_interval=2, max_scale=2.0 ** 24), [
+        (F, (2.0 ** 23, 1, 0)), (F, (2.0 ** 24, 0, 0)),
+        (F, (2.0 ** 24, 1, 0)), (F, (2.0 ** 24, 0, 0)),   # capped: the count still restarts
+        (O, (2.0 ** 23, 0, 0)),
+        (F, (2.0 ** 23, 1, 0)), (F, (2.0 ** 24, 0, 0)),
+    ], id='capped-growth-restarts-the-count'),
+    pytest.param(dict(init_scale=4.0, growth_interval=2, backoff_factor=0.25,
+                      min_scale=1.0), [
+        (F, (4.0, 1, 0)), (O, (1.0, 0, 0)),     # backoff to the floor clears the count
+        (F, (1.0, 1, 0)), (O, (1.0, 0, 0)),     # at min_scale: still a "scale change"
+        (F, (1.0, 1, 0)), (F, (2.0, 0, 0)),
+    ], id='backoff-clears-the-count'),
+]
+
+
+@pytest.mark.parametrize('config, table', GROWTH_RESET)
+def test_growth_and_backoff_restart_the_good_count(config, table):
+    scaler = DynamicLossScaler(**config)
+    assert trace(scaler, [flag for flag, _ in table]) == [want for _, want in table]
+
+
+# (flags before the save, flags after it, scales expected after each later flag); the
+# configuration travels in the state_dict, so the target's own (defaults) must not matter
+RELOAD = [
+    pytest.param((F, F, F), (F, F, F), [32.0, 64.0, 64.0], id='3-of-5-done'),
+    pytest.param((F, O, F, F, F, F), (F, F, F), [32.0, 32.0, 32.0], id='after-an-overflow'),
+    pytest.param((F, F, F, F, F, F), (F, F, F, F), [64.0, 64.0, 64.0, 128.0],
+                 id='just-after-a-growth'),
+    pytest.param((F, F, F, F, O), (F, F, F, F, F), [16.0, 16.0, 16.0, 16.0, 32.0],
+                 id='overflow-right-before-growth'),
+]
+
+
+@pytest.mark.parametrize('how', ['load_state_dict', 'pickle', 'deepcopy'])
+@pytest.mark.parametrize('before, after, scales', RELOAD)
+def test_reload_mid_interval_keeps_the_good_count(before, after, scales, how):
+    import copy
+    source = DynamicLossScaler(init_scale=32.0, growth_interval=5)
+    for flag in before:
+        source.update(flag)
+    if how == 'load_state_dict':
+        target = DynamicLossScaler()          # growth_interval 2000: the file's must win
+        target.load_state_dict(source.state_dict())
+    elif how == 'pickle':
+        target = pickle.loads(pickle.dumps(source))
+    else:
+        target = copy.deepcopy(source)
+    assert (target.num_good_steps, target.num_bad_steps) == (source.num_good_steps,
+                                                             source.num_bad_steps)
+    got = []
+    for flag in after:
+        target.update(flag)
+        got.append(target.scale)
+    assert got == scales

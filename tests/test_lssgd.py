@@ -375,3 +375,166 @@ def test_hook_with_accumulation_and_a_changing_scale():
             scaling.step(1)
         results.append(w.data().asscalar())
     assert results[0] == results[1] != 0.0
+
+
+# -- warmup and accumulation positions do not advance on a skipped step -------------------
+from reference import LBSGDReference  # noqa: E402
+
+WARM = dict(learning_rate=0.1, momentum=0.9, wd=1e-3, warmup_strategy='linear',
+            warmup_epochs=1, updates_per_epoch=16)
+
+
+@pytest.mark.parametrize('B, count', [
+    pytest.param(1, False, id='B1'),
+    pytest.param(1, True, id='B1-count-skipped'),
+    pytest.param(2, False, id='B2'),
+    pytest.param(3, True, id='B3-count-skipped'),
+])
+def test_module_path_warmup_skips_overflow_steps(B, count):
+    """Through mx.optimizer.get_updater (Module's path, no Trainer): every micro-batch is a
+    loss-scaling step; the weights are the reference's fed only the finite micro-batches,
+    unscaled by the scale each one carried."""
+    rng = np.random.RandomState(7)
+    shapes, names = [(4, 3), (3,), (5,)], ['fc_weight', 'fc_bias', 'out_weight']
+    w0 = [rng.uniform(-1, 1, s) for s in shapes]
+    steps, overflow = 14, {2, 5, 6, 11}
+    grads = [[rng.uniform(-1, 1, s) for s in shapes] for _ in range(steps)]
+    scaler = DynamicLossScaler(init_scale=8.0, growth_interval=2)   # scale moves every step
+    opt = mx_lbsgd.LBSGD(batch_scale=B, rescale_grad=0.5, loss_scaler=scaler,
+                         count_skipped_steps=count, scale_key='warmup-module-%d' % B, **WARM)
+    updater = mx.optimizer.get_updater(opt)
+    ws = [nd.array(w) for w in w0]
+    scales = []
+    for step, gs in enumerate(grads):
+        scales.append(scaler.scale)
+        g_nd = [nd.array(g * scaler.scale) for g in gs]
+        if step in overflow:
+            g_nd[step % 3][:] = np.inf if step % 2 else np.nan
+        updater(list(range(len(ws))), g_nd, ws)
+    assert len(set(scales)) > 2                 # the unscaling really varied
+    ref = LBSGDReference(w0, names, lr=0.1, wd=1e-3, momentum=0.9, strategy='linear', B=B,
+                         warmup_epochs=1, updates_per_epoch=16, rescale=0.5)
+    for step, gs in enumerate(grads):
+        if step not in overflow:
+            ref.step(gs)
+    for w, r in zip(ws, ref.w):
+        np.testing.assert_allclose(w.asnumpy(), r, rtol=1e-5, atol=1e-6)
+    applied = steps - len(overflow)
+    assert scaler.total_skipped == len(overflow) and scaler.total_steps == steps
+    assert max(opt._index_update_count.values()) == applied     # the warmup position
+    assert opt.num_update == (steps if count else applied)
+
+
+def _trainer_run(B, count, steps, inject, ctxs, kvstore, init_scale=16.0):
+    """gluon Trainer over LBSGD(loss_scaler, batch_scale=B), trainer.step every micro-batch.
+    `inject`: micro-batches whose gradient on the last device is set to inf. Returns the
+    start weights, the summed (unscaled) gradients per micro-batch, params, trainer, scaler."""
+    rng = np.random.RandomState(0)
+    params = [gluon.Parameter('l%d_%s' % (i, 'bias' if i % 2 else 'weight'), shape=(3 + i,))
+              for i in range(4)]
+    start = [rng.uniform(-1, 1, p.shape) for p in params]
+    for p, w in zip(params, start):
+        p.initialize(ctx=ctxs)
+        p.set_data(nd.array(w))
+    scaler = DynamicLossScaler(init_scale=init_scale, growth_interval=1)
+    trainer = gluon.Trainer(params, 'lbsgd', dict(
+        WARM, batch_scale=B, loss_scaler=scaler, count_skipped_steps=count),
+        kvstore=kvstore, update_on_kvstore=False if kvstore else None)
+    grads, scales = [], []
+    for step in range(steps):
+        per_dev = [[rng.uniform(-1, 1, p.shape) for p in params] for _ in ctxs]
+        scale = scaler.scale
+        scales.append(scale)
+        with autograd.record():
+            losses = [nd.add_n(*[(p.data(c) * nd.array(g, ctx=c)).sum()
+                                 for p, g in zip(params, gs)]) * scale
+                      for c, gs in zip(ctxs, per_dev)]
+        autograd.backward(losses)
+        if step in inject:
+            params[step % 4].list_grad()[-1][:] = np.inf
+        grads.append([sum(gs[i] for gs in per_dev) for i in range(len(params))])
+        trainer.step(4)
+    return start, grads, params, trainer, scaler, scales
+
+
+@pytest.mark.parametrize('B, count, inject, dropped', [
+    # B=1: each micro-batch is a step
+    pytest.param(1, False, {1, 4, 5}, {1, 4, 5}, id='B1'),
+    pytest.param(1, True, {1, 4, 5}, {1, 4, 5}, id='B1-count-skipped'),
+    # B=2: an overflow in either micro-batch drops its whole window
+    pytest.param(2, False, {3, 6}, {2, 3, 6, 7}, id='B2-last-then-first-micro-batch'),
+    pytest.param(2, True, {0, 9}, {0, 1, 8, 9}, id='B2-count-skipped'),
+    pytest.param(2, False, {2, 3, 4}, {2, 3, 4, 5}, id='B2-two-windows-in-a-row'),
+    pytest.param(3, False, {4}, {3, 4, 5}, id='B3-middle-micro-batch'),
+])
+@pytest.mark.parametrize('ctxs, kvstore', [pytest.param(CTX2[:1], None, id='1dev'),
+                                           pytest.param(CTX2, 'device', id='2dev')])
+def test_trainer_warmup_continues_from_the_last_applied_window(B, count, inject, dropped,
+                                                               ctxs, kvstore):
+    steps = 12
+    start, grads, params, trainer, scaler, scales = _trainer_run(B, count, steps, inject,
+                                                                 ctxs, kvstore)
+    opt = trainer.optimizer
+    windows = steps // B
+    assert scaler.total_steps == windows
+    assert scaler.total_skipped == len(dropped) // B
+    assert len(set(scales)) > 1                 # windows carried different scales
+    ref = LBSGDReference(start, [p.name for p in params], lr=0.1, wd=1e-3, momentum=0.9,
+                         strategy='linear', B=B, warmup_epochs=1, updates_per_epoch=16,
+                         rescale=1 / 4.)
+    for step, g in enumerate(grads):
+        if step not in dropped:                 # the reference never sees a dropped window
+            ref.step(g)
+    for p, w in zip(params, ref.w):
+        for d in p.list_data():
+            np.testing.assert_allclose(d.asnumpy(), w, rtol=2e-5, atol=2e-5)
+    applied = steps - len(dropped)
+    assert max(opt._index_update_count.values()) == applied
+    assert opt.num_update == (steps if count else applied)
+
+
+# -- unpickling has no global side effects --------------------------------------------------
+def _registry():
+    from mx_lbsgd import _graph_scale
+    return dict(_graph_scale._SCALERS)
+
+
+def _assert_same_registry(before):
+    from mx_lbsgd import _graph_scale
+    assert set(_graph_scale._SCALERS) == set(before)
+    for key, scaler in before.items():
+        assert _graph_scale._SCALERS[key] is scaler, key
+
+
+@pytest.mark.parametrize('make', [
+    pytest.param(lambda key: mx_lbsgd.LossScaledSGD(
+        momentum=0.9, loss_scaler=DynamicLossScaler(init_scale=32.0), scale_key=key),
+        id='lssgd'),
+    pytest.param(lambda key: mx.optimizer.create('lssgd', loss_scaler=DynamicLossScaler(
+        init_scale=32.0), scale_key=key), id='lssgd-registry'),
+    pytest.param(lambda key: mx_lbsgd.LBSGD(batch_scale=2, loss_scaler=8.0, scale_key=key),
+                 id='lbsgd-scaled'),
+])
+@pytest.mark.parametrize('how', ['pickle', 'deepcopy', 'copy'])
+def test_copies_do_not_change_the_served_scalers(make, how):
+    """The scale_gradient registry serves the live optimizer's scaler; a copy of the
+    optimizer (pickle round trip, deepcopy) must not take the key over."""
+    import copy as copy_module
+    key = 'side-effects-%s' % how
+    opt = make(key)
+    opt.loss_scaler.update(True)              # the copy's scaler state differs from a fresh one
+    live = DynamicLossScaler(init_scale=4.0)   # e.g. a newer optimizer took the key since
+    from mx_lbsgd import _graph_scale
+    _graph_scale.serve(key, live)
+    before = _registry()
+    if how == 'pickle':
+        clone = pickle.loads(pickle.dumps(opt))
+    elif how == 'deepcopy':
+        clone = copy_module.deepcopy(opt)
+    else:
+        clone = copy_module.copy(opt)
+    _assert_same_registry(before)
+    assert _graph_scale.served(key) is live
+    assert clone.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+    if how != 'copy':
+        assert clone.loss_scaler is not opt.loss_scaler
