@@ -333,6 +333,7 @@ class LBSGD(mx.optimizer.Optimizer):
     def update_multi_precision(self, index, weight, grad, state):
         if not isinstance(index, (list, tuple)):
             index, weight, grad, state = [index], [weight], [grad], [state]
+        self._plan(index, weight, grad, state)    # validates states and names first
         if self.window_phase == 'partial':
             self._update_count(index)      # summed at the Trainer; nothing to apply yet
             self.last_step_skipped = False
@@ -394,9 +395,10 @@ class LBSGD(mx.optimizer.Optimizer):
         parts = [self.split_state(w, s) for w, s in zip(weight, state)]
         sparse = [j for j, (w, g) in enumerate(zip(weight, grad))
                   if w.stype != 'default' or g.stype != 'default']
+        dense = set(range(len(weight))) - set(sparse)
         groups = {}
         for j, w in enumerate(weight):
-            if j not in sparse:
+            if j in dense:
                 groups.setdefault((w.dtype, parts[j][1] is None), []).append(j)
         routes = []
         for members in groups.values():
@@ -423,9 +425,10 @@ class LBSGD(mx.optimizer.Optimizer):
                 _kernels.accumulate_sparse(acc=plan['accs'][j], grad=grad[j],
                                            first=steps[j] % B == 1,
                                            factor=self.rescale_grad * unscale)
+            sparse = set(plan['sparse'])
             for first in (True, False):
                 pick = [j for j, k in enumerate(steps)
-                        if (k % B == 1) == first and j not in plan['sparse']]
+                        if (k % B == 1) == first and j not in sparse]
                 if pick:
                     _kernels.accumulate(accs=[plan['accs'][j] for j in pick],
                                         grads=[grad[j] for j in pick], first=first,
@@ -437,8 +440,8 @@ class LBSGD(mx.optimizer.Optimizer):
                                        'of the accumulation window: %s' % (steps,))
                 return
             grad = [acc.tostype('row_sparse')      # lazy over the window's rows (a dense
-                    if j in plan['sparse'] and grad[j].stype == 'row_sparse'   # buffer
-                    and acc.stype == 'default' else acc         # when no param_dict)
+                    if j in sparse and grad[j].stype == 'row_sparse'   # buffer when there
+                    and acc.stype == 'default' else acc         # is no param_dict)
                     for j, acc in enumerate(plan['accs'])]
             rescale = 1.0 / B     # already rescaled and unscaled, micro-batch by micro-batch
         else:
