@@ -1,29 +1,48 @@
-"""Large-batch study on the 8x8 digits: accuracy vs batch size under a fixed epoch budget.
+"""Large-batch study: which batch size can each method use, at a fixed, generous budget?
 
-    python benchmarks/study.py [--out DIR] [--seeds 3] [--epochs 20] [--tiny]
+    python benchmarks/study.py [--out DIR] [--seeds 3] [--epochs 10] [--tiny]
     mx-lbsgd study ...
 
-Every method trains ``mx_lbsgd._models.mlp`` (64, 64) for the same number of epochs, so a
-batch k times larger gets k times fewer updates. Batch sizes are multiples of the base
-batch 32; 'full' is the whole training set rounded down to a multiple of 32 (1344 of 1348).
+Data: 'digits-shifted' (``mx_lbsgd._train.load_data``): scikit-learn's 1,797 8x8 digits,
+split by source image into test (25%), validation (15% of the rest) and train, then every
+image of every split also shifted by one pixel in the 8 directions. That gives 10,314
+training, 1,818 validation and 4,041 test images, made on the spot with no download; no
+source image is in two splits. The plain digits (1,347 training images) cannot hold this
+study: a batch of 1,024 is the whole set, and 100 updates at it would be 100 epochs.
 
-  sgd            mx SGD, momentum 0.9, real batches, linear scaling rule
-                 lr = base_lr * batch / 32, no warmup
-  lbsgd-linear   mx_lbsgd LBSGD: micro-batches of 32, batch_scale = batch / 32 summed per
-  lbsgd-sqrt     update, lr warmed up from base_lr to base_lr * batch / 32 (the same
-  lbsgd-power2   final lr as sgd) over --warmup-epochs with that shape
-  lbsgd-lars     LBSGD with LARS trust ratios (eta 0.001), micro-batches of 32 summed as
-                 above, lr = --lars-lr at every batch size: the trust ratio normalizes
-                 each layer's step, and lars_lr * batch / 32 diverged at batch >= 512
-                 (accuracy 0.08-0.16 for lars_lr 0.5, 1, 2; 3 seeds, 20 epochs)
+Budget: every run trains ``mx_lbsgd._models.mlp`` (64, 64) for the same --epochs (default
+10), so the largest batch (1,024: 10 updates an epoch) still gets 100 updates and the
+small batch (64) 1,610. Every method's lr follows a cosine decay to 0 over the run.
+
+Methods (batch B, base batch b = 64, k = B / b):
+
+  sgd            mx SGD, momentum 0.9, real batches of B, linear scaling rule lr = g * k
+  sgd-warmup     the same, lr warmed up linearly from g to g * k over --warmup-epochs
+                 (Goyal et al. 2017), then the cosine decay
+  lbsgd-linear   mx_lbsgd LBSGD: micro-batches of b, batch_scale = k accumulated per
+  lbsgd-sqrt     update, lr warmed from g to g * k over --warmup-epochs with that shape
+  lbsgd-power2   (the same final lr as sgd), times the cosine decay
+  lbsgd-lars     LBSGD with LARS trust ratios (eta 0.001), micro-batches of b as above,
+                 lr = g * sqrt(k) (linear scaling diverged at B >= 512 in this
+                 study's previous version), no warmup
   fp16-scaled    lbsgd-linear in float16 (fp32 master weights), dynamic loss scaling
   fp16-unscaled  the same without loss scaling
 
-float16 runs also report the gradient underflow: at the end of each epoch, the fraction
-of the gradient entries of one micro-batch that are non-zero with the loss scaled by the
-largest power of two that keeps them finite but zero at the run's loss scale (1 when
-unscaled). Writes study.json, study.png (accuracy and epochs-to-target vs batch size) and
-study.md (the printed tables) into --out.
+At B = b the five fp32 non-LARS methods are one and the same run (no accumulation, no
+warmup left); it is trained once and reported for each.
+
+Learning rate: a grid of 3 values of g per method (--grid, --lars-grid), each trained with
+seed 0. While the best final validation accuracy of a (method, batch) is at an end of its
+grid, the grid is extended past that end by a factor of 2, at most --grid-extend (2)
+times each way. The g with the best validation accuracy is then trained with the other
+seeds, and the tables report test accuracy over all seeds at that g (the chosen lr is in
+the tables too; one still at an end of the grid says so).
+
+Reported: final test accuracy (mean +- std over seeds), epochs to --target test accuracy,
+per method the largest batch whose mean accuracy is within 1 point of the small-batch sgd
+accuracy, and for float16 the gradient underflow (as in ``mx-lbsgd train``) and skipped
+steps. Writes study.json, study.md (the printed tables) and study.png (accuracy and epochs
+to target against batch size) into --out.
 """
 import json
 import math
@@ -40,28 +59,62 @@ except ImportError:           # run from a checkout without installing the packa
     from mx_lbsgd import _train
 from mx_lbsgd.cli import _Parser, _number, demo_error, demo_missing
 
-BASE_BATCH = 32
-METHODS = ('sgd', 'lbsgd-linear', 'lbsgd-sqrt', 'lbsgd-power2', 'lbsgd-lars',
+BASE_BATCH = 64
+METHODS = ('sgd', 'sgd-warmup', 'lbsgd-linear', 'lbsgd-sqrt', 'lbsgd-power2', 'lbsgd-lars',
            'fp16-scaled', 'fp16-unscaled')
+#: At the base batch these are all plain fp32 SGD with lr g: trained once, as 'sgd'.
+SAME_AS_SGD_AT_BASE = ('sgd', 'sgd-warmup', 'lbsgd-linear', 'lbsgd-sqrt', 'lbsgd-power2')
+DATASET = 'digits-shifted'
+VAL_FRACTION = 0.15
+GRID = (0.05, 0.1, 0.2)          # g: lr at the base batch (sgd and the lbsgd warmups)
+LARS_GRID = (1.0, 2.0, 4.0)      # g: lbsgd-lars lr at the base batch
+TOLERANCE = 0.01                 # "within 1 point"
 
 
-def run_config(method, batch, seed, args):
-    """The TrainConfig of one cell of the study."""
+def lr_for(method, batch, g):
+    k = batch // BASE_BATCH
+    return g * math.sqrt(k) if method == 'lbsgd-lars' else g * k
+
+
+def run_config(method, batch, g, seed, args):
+    """The TrainConfig of one run of the study."""
+    if batch == BASE_BATCH and method in SAME_AS_SGD_AT_BASE:
+        method = 'sgd'
     scale = batch // BASE_BATCH
     common = dict(epochs=args.epochs, seed=seed, momentum=0.9, wd=1e-4, target=args.target,
-                  record_steps=False)
+                  record_steps=False, dataset=args.dataset, val_fraction=VAL_FRACTION,
+                  lr_decay='cosine', lr=lr_for(method, batch, g))
+    if method not in ('sgd', 'sgd-warmup', 'lbsgd-lars'):
+        common['lr'] = g          # LBSGD's warmup multiplies it up to g * k
     if method == 'sgd':
-        return _train.TrainConfig(optimizer='sgd', batch_size=batch,
-                                  lr=args.base_lr * scale, **common)
+        return _train.TrainConfig(optimizer='sgd', batch_size=batch, **common)
+    if method == 'sgd-warmup':
+        return _train.TrainConfig(optimizer='sgd', batch_size=batch, warmup_from=g,
+                                  warmup_epochs=args.warmup_epochs, **common)
     lb = dict(optimizer='lbsgd', batch_size=BASE_BATCH, batch_scale=scale,
               warmup_epochs=args.warmup_epochs, **common)
     if method == 'lbsgd-lars':
-        return _train.TrainConfig(warmup_strategy='lars', lr=args.lars_lr, **lb)
+        return _train.TrainConfig(warmup_strategy='lars', **lb)
     if method.startswith('lbsgd-'):
-        return _train.TrainConfig(warmup_strategy=method[6:], lr=args.base_lr, **lb)
-    return _train.TrainConfig(warmup_strategy='linear', lr=args.base_lr, dtype='float16',
+        return _train.TrainConfig(warmup_strategy=method[6:], **lb)
+    return _train.TrainConfig(warmup_strategy='linear', dtype='float16',
                               loss_scale='dynamic' if method == 'fp16-scaled' else 'none',
                               **lb)
+
+
+def _choose(grid_runs):
+    """(method, batch) -> (g, validation accuracy) of the best run of the grid."""
+    chosen = {}
+    for r in grid_runs:
+        key = (r['method'], r['batch'])
+        val = r['final_val_acc'] if not math.isnan(r['final_val_acc']) else -1.0
+        if key not in chosen or val > chosen[key][1]:
+            chosen[key] = (r['g'], val)
+    return chosen
+
+
+def _key(cfg):
+    return tuple(sorted((k, str(v)) for k, v in vars(cfg).items()))
 
 
 def _mean_std(values):
@@ -71,8 +124,8 @@ def _mean_std(values):
     return float(np.mean(values)), float(np.std(values))
 
 
-def aggregate(runs, target):
-    """Per (method, batch): mean/std of final and best accuracy, epochs to target, ..."""
+def aggregate(runs, grid_runs):
+    """Per (method, batch): the chosen g, mean/std of final test accuracy, epochs to target."""
     cells = {}
     for r in runs:
         cells.setdefault((r['method'], r['batch']), []).append(r)
@@ -80,17 +133,34 @@ def aggregate(runs, target):
     for (method, batch), group in cells.items():
         reach = [r['epochs_to_target'] for r in group if r['epochs_to_target'] is not None]
         acc, acc_std = _mean_std([r['final_test_acc'] for r in group])
-        best, best_std = _mean_std([r['best_test_acc'] for r in group])
-        row = dict(method=method, batch=batch, seeds=len(group), final_acc=acc,
-                   final_acc_std=acc_std, best_acc=best, best_acc_std=best_std,
-                   reached=len(reach), epochs_to_target=_mean_std(reach)[0],
-                   updates=group[0]['updates'], seconds=_mean_std([r['wall_time_s']
-                                                                   for r in group])[0])
+        grid = sorted((r['g'], r['final_val_acc']) for r in grid_runs
+                      if (r['method'], r['batch']) == (method, batch))
+        row = dict(method=method, batch=batch, seeds=len(group), g=group[0]['g'],
+                   lr=lr_for(method, batch, group[0]['g']), grid_val_acc=grid,
+                   final_acc=acc, final_acc_std=acc_std, reached=len(reach),
+                   epochs_to_target=_mean_std(reach)[0], updates=group[0]['updates'],
+                   seconds=_mean_std([r['wall_time_s'] for r in group])[0])
         if 'underflow_fraction' in group[0]:
             row['underflow_fraction'] = _mean_std([r['underflow_fraction']
                                                    for r in group])[0]
             row['skipped_steps'] = _mean_std([r['skipped_steps'] for r in group])[0]
         out.append(row)
+    return out
+
+
+def largest_batch(summary, batches, methods, reference):
+    """method -> the largest batch whose mean accuracy is >= reference - TOLERANCE (None
+    if none is), checked at every batch up to it."""
+    cell = {(r['method'], r['batch']): r for r in summary}
+    out = {}
+    for m in methods:
+        best = None
+        for b in batches:
+            acc = cell[(m, b)]['final_acc']
+            if acc is None or acc < reference - TOLERANCE:
+                break
+            best = b
+        out[m] = best
     return out
 
 
@@ -108,20 +178,45 @@ def _fmt_reach(row):
         text, row['reached'], row['seeds'])
 
 
-def tables(summary, batches, methods, target, epochs):
-    """Markdown tables: final accuracy, epochs to target, float16 details."""
+def _fmt_lr(row):
+    tried = [g for g, _ in row['grid_val_acc']]
+    edge = ' (edge)' if len(tried) > 1 and row['g'] in (min(tried), max(tried)) else ''
+    return '%.3g%s' % (row['lr'], edge)
+
+
+def tables(summary, batches, methods, args, reference, largest):
+    """Markdown tables: accuracy, largest batch, chosen lr, epochs to target, float16."""
     cell = {(r['method'], r['batch']): r for r in summary}
     head = '| method | ' + ' | '.join('batch %d' % b for b in batches) + ' |'
     rule = '|---|' + '---:|' * len(batches)
     updates = '| updates per run | ' + ' | '.join(' / '.join(
         str(u) for u in sorted({cell[(m, b)]['updates'] for m in methods})) for b in batches
     ) + ' |'
-    lines = ['Final test accuracy after %d epochs (mean ± std over seeds):' % epochs, '',
-             head, rule, updates]
+    lines = ['Final test accuracy after %d epochs of %s (mean ± std over %d seeds, at the '
+             'lr chosen on the validation split):' % (args.epochs, args.dataset, args.seeds),
+             '', head, rule, updates]
     for m in methods:
         lines.append('| %s | %s |' % (m, ' | '.join(_fmt_acc(cell[(m, b)]) for b in batches)))
+    lines += ['', 'Largest batch whose mean test accuracy is within %g point of sgd at batch '
+                  '%d (%.3f), and the accuracy there:' % (100 * TOLERANCE, batches[0],
+                                                         reference),
+              '', '| method | largest batch | accuracy |', '|---|---:|---:|']
+    for m in methods:
+        b = largest[m]
+        lines.append('| %s | %s | %s |' % (m, b if b else 'none',
+                                           _fmt_acc(cell[(m, b)]) if b else '—'))
+    lines += ['', 'Peak learning rate chosen on the validation split (grid g = %s, lars %s, '
+                  'scaled as in the docstring, extended up to %d times each way; (edge): '
+                  'the best was still at an end of the grid; [n]: n values of g tried):'
+                  % ('/'.join('%g' % g for g in args.grid),
+                     '/'.join('%g' % g for g in args.lars_grid), args.grid_extend),
+              '', head, rule]
+    for m in methods:
+        lines.append('| %s | %s |' % (m, ' | '.join(
+            '%s [%d]' % (_fmt_lr(cell[(m, b)]), len(cell[(m, b)]['grid_val_acc']))
+            for b in batches)))
     lines += ['', 'Epochs to reach test accuracy %.2f (mean over the seeds that reach it; '
-                  '(k/n): only k of n seeds did; —: none):' % target, '', head, rule]
+                  '(k/n): only k of n seeds did; —: none):' % args.target, '', head, rule]
     for m in methods:
         lines.append('| %s | %s |' % (m, ' | '.join(_fmt_reach(cell[(m, b)])
                                                      for b in batches)))
@@ -136,7 +231,7 @@ def tables(summary, batches, methods, target, epochs):
     return '\n'.join(lines)
 
 
-def plot(summary, batches, methods, path, target):
+def plot(summary, batches, methods, path, target, reference):
     """study.png: final accuracy and epochs to target vs batch size, one line per method."""
     import matplotlib
     matplotlib.use('Agg')
@@ -145,20 +240,23 @@ def plot(summary, batches, methods, path, target):
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     for m in methods:
         rows = [cell[(m, b)] for b in batches]
-        style = '--' if m.startswith('fp16') else '-'
+        style = '--' if m.startswith('fp16') else ':' if m == 'lbsgd-lars' else '-'
         left.errorbar(batches, [r['final_acc'] if r['final_acc'] is not None else np.nan
                                 for r in rows],
                       yerr=[r['final_acc_std'] or 0 for r in rows], ls=style, marker='o',
                       capsize=3, label=m)
         right.plot(batches, [r['epochs_to_target'] if r['reached'] else np.nan
                              for r in rows], ls=style, marker='o', label=m)
+    left.axhspan(reference - TOLERANCE, reference, color='gray', alpha=0.15,
+                 label='within 1 point of sgd@%d' % batches[0])
     for ax in (left, right):
         ax.set_xscale('log', base=2)
         ax.set_xticks(batches)
         ax.set_xticklabels([str(b) for b in batches])
         ax.set_xlabel('batch size (samples per update)')
-    left.set(ylabel='final test accuracy', ylim=(0, 1.02),
-             title='accuracy after a fixed epoch budget')
+    low = min([r['final_acc'] for r in summary if r['final_acc'] is not None] + [reference])
+    left.set(ylabel='final test accuracy', ylim=(max(0.0, min(low - 0.02, 0.9)), 1.0),
+             title='test accuracy at the validation-chosen lr')
     right.set(ylabel='epochs', title='epochs to test accuracy %.2f' % target)
     left.legend(loc='lower left', fontsize=8)
     fig.tight_layout()
@@ -171,27 +269,36 @@ def _parser(prog):
                 epilog='Methods: ' + ', '.join(METHODS) + '. See the module docstring.')
     p.add_argument('--out', default='study', help='output folder (default %(default)s)')
     p.add_argument('--batch-sizes', type=_number(int, BASE_BATCH), nargs='+',
-                   help='multiples of 32 (default 32 128 512 full)')
+                   help='multiples of %d (default 64 256 1024)' % BASE_BATCH)
     p.add_argument('--methods', nargs='+', choices=METHODS, metavar='M',
                    help='subset of: %s (default: all)' % ', '.join(METHODS))
     p.add_argument('--seeds', type=_number(int, 1), default=3,
                    help='seeds 0..N-1 (default %(default)s)')
-    p.add_argument('--epochs', type=_number(int, 1), default=20,
+    p.add_argument('--epochs', type=_number(int, 1), default=10,
                    help='epoch budget of every run (default %(default)s)')
-    p.add_argument('--warmup-epochs', type=_number(float, 0), default=5.0,
-                   help='lbsgd warmup length (default %(default)g)')
-    p.add_argument('--base-lr', type=_number(float, 0, open_low=True), default=0.01,
-                   help='lr at batch 32, scaled linearly with the batch (default %(default)g;'
-                        ' 0.4 at the full batch is already at the edge of divergence)')
-    p.add_argument('--lars-lr', type=_number(float, 0, open_low=True), default=2.0,
-                   help='lbsgd-lars lr, the same at every batch size (default %(default)g)')
+    p.add_argument('--warmup-epochs', type=_number(float, 0), default=2.0,
+                   help='warmup length of sgd-warmup and lbsgd (default %(default)g)')
+    p.add_argument('--grid', type=_number(float, 0, open_low=True), nargs='+',
+                   default=list(GRID), metavar='G',
+                   help='lr grid at batch 64, scaled by batch / 64 (default %s)'
+                        % ' '.join('%g' % g for g in GRID))
+    p.add_argument('--lars-grid', type=_number(float, 0, open_low=True), nargs='+',
+                   default=list(LARS_GRID), metavar='G',
+                   help='lbsgd-lars lr grid at batch 64, scaled by sqrt(batch / 64) '
+                        '(default %s)' % ' '.join('%g' % g for g in LARS_GRID))
+    p.add_argument('--grid-extend', type=_number(int, 0),
+                   help='times the grid may be extended by a factor 2 beyond its end '
+                        'when the best lr is there, each way (default 2; --tiny: 0)')
+    p.add_argument('--dataset', choices=_train.DATASETS, default=DATASET,
+                   help='default %(default)s (--tiny: digits)')
     p.add_argument('--target', type=_number(float, 0, 1), default=0.95,
                    help='accuracy for epochs-to-target (default %(default)g)')
     p.add_argument('--jobs', type=_number(int, 1),
                    help='runs in parallel, each in a process with OMP_NUM_THREADS=1; 1 runs '
                         'them in this process (default: min(2, CPUs); 1 with --tiny)')
     p.add_argument('--tiny', action='store_true',
-                   help='tiny configuration for tests: batches 32 128, 1 seed, 2 epochs')
+                   help='tiny configuration for tests: plain digits, batches 64 128, '
+                        '1 seed, 2 epochs, 2 grid values')
     p.add_argument('--quiet', action='store_true', help='print only the tables')
     return p
 
@@ -203,57 +310,105 @@ def main(argv=None, prog='study.py'):
     missing = demo_missing(('sklearn.datasets', 'matplotlib'))   # the digits, study.png
     if missing:
         parser.exit(2, demo_error(prog, missing) + '\n')
-    n_train = len(_train.load_digits()[0])
-    full = (n_train // BASE_BATCH) * BASE_BATCH
     if args.tiny:
-        args.seeds, args.epochs = 1, 2
-        args.batch_sizes = args.batch_sizes or [32, 128]
+        args.seeds, args.epochs, args.dataset = 1, 2, 'digits'
+        args.grid, args.lars_grid = args.grid[:2], args.lars_grid[:2]
+    if args.grid_extend is None:
+        args.grid_extend = 0 if args.tiny else 2
+        args.batch_sizes = args.batch_sizes or [64, 128]
     if args.jobs is None:
         args.jobs = 1 if args.tiny else min(2, os.cpu_count() or 1)
-    batches = sorted(set(args.batch_sizes or [32, 128, 512, full]))
-    bad = [b for b in batches if b % BASE_BATCH or b > full]
+    n_train = len(_train.load_data(val_fraction=VAL_FRACTION, dataset=args.dataset)[0])
+    batches = sorted(set(args.batch_sizes or [64, 256, 1024]))
+    bad = [b for b in batches if b % BASE_BATCH or b > n_train]
     if bad:
         parser.error('argument --batch-sizes: %s: each must be a multiple of %d and <= %d'
-                     % (bad, BASE_BATCH, full))
+                     % (bad, BASE_BATCH, n_train))
     methods = list(args.methods or METHODS)
-    cells = [(m, b, seed) for m in methods for b in batches for seed in range(args.seeds)]
-    configs = [run_config(m, b, seed, args) for m, b, seed in cells]
-    runs = [None] * len(cells)
     start = time.perf_counter()
+    done = {}          # config key -> result (identical configs are trained once)
 
-    def collect(i, result):
-        (method, batch, seed), cfg = cells[i], configs[i]
-        run = dict(method=method, batch=batch, seed=seed,
-                   updates=result['total_steps'] // cfg.batch_scale,
-                   test_acc=[r['test_acc'] for r in result['epochs']],
-                   config=result['config'],
-                   **{k: result[k] for k in ('final_test_acc', 'best_test_acc',
-                                             'epochs_to_target', 'wall_time_s',
-                                             'skipped_steps')})
-        if 'final_underflow_fraction' in result:
-            run['underflow_fraction'] = result['final_underflow_fraction']
-        runs[i] = run
-        if not args.quiet:
-            done = sum(r is not None for r in runs)
-            print('[%3d/%d] %-14s batch %4d seed %d: test acc %.3f, %d updates, %.1f s'
-                  % (done, len(cells), method, batch, seed, run['final_test_acc'],
-                     run['updates'], run['wall_time_s']), file=sys.stderr, flush=True)
-    _train.run_many(configs, args.jobs, collect)
+    def train_all(cells):
+        """cells: (method, batch, g, seed); returns their run dicts, in order."""
+        configs = [run_config(m, b, g, s, args) for m, b, g, s in cells]
+        todo, seen = [], set()
+        for cfg in configs:
+            if _key(cfg) not in done and _key(cfg) not in seen:
+                seen.add(_key(cfg))
+                todo.append(cfg)
+
+        def collect(i, result):
+            done[_key(todo[i])] = result
+            if not args.quiet:
+                cfg = todo[i]
+                print('[%3d/%d] %-5s %s batch %4d x %d lr %-7.4g seed %d: val %.3f test %.3f,'
+                      ' %.1f s' % (i + 1, len(todo), cfg.optimizer, cfg.dtype,
+                                   cfg.batch_size, cfg.batch_scale, cfg.lr, cfg.seed,
+                                   result['final_val_acc'], result['final_test_acc'],
+                                   result['wall_time_s']), file=sys.stderr, flush=True)
+        _train.run_many(todo, args.jobs, collect)
+        runs = []
+        for (method, batch, g, seed), cfg in zip(cells, configs):
+            result = done[_key(cfg)]
+            run = dict(method=method, batch=batch, g=g, seed=seed,
+                       updates=result['updates'],
+                       test_acc=[r['test_acc'] for r in result['epochs']],
+                       val_acc=[r['val_acc'] for r in result['epochs']],
+                       config=result['config'],
+                       **{k: result[k] for k in ('final_test_acc', 'final_val_acc',
+                                                 'best_test_acc', 'epochs_to_target',
+                                                 'wall_time_s', 'skipped_steps')})
+            if 'final_underflow_fraction' in result:
+                run['underflow_fraction'] = result['final_underflow_fraction']
+            runs.append(run)
+        return runs
+
+    # 1. the grid, seed 0, extended by halving (doubling) g while the best validation
+    #    accuracy is at its low (high) end, at most --grid-extend times each way;
+    # 2. the other seeds at the g with the best validation accuracy
+    grids = {(m, b): list(args.lars_grid if m == 'lbsgd-lars' else args.grid)
+             for m in methods for b in batches}
+    extended = {key: [0, 0] for key in grids}
+    grid_runs, pending = [], [(m, b, g, 0) for (m, b), gs in grids.items() for g in gs]
+    while pending:
+        grid_runs += train_all(pending)
+        pending = []
+        chosen = _choose(grid_runs)
+        for key, (g, _) in chosen.items():
+            for end, factor, side in ((min(grids[key]), 0.5, 0), (max(grids[key]), 2.0, 1)):
+                if g == end and extended[key][side] < args.grid_extend:
+                    extended[key][side] += 1
+                    grids[key].append(g * factor)
+                    pending.append(key + (g * factor, 0))
+    seed_cells = [(m, b, chosen[(m, b)][0], s) for m in methods for b in batches
+                  for s in range(1, args.seeds)]
+    runs = [r for r in grid_runs if r['g'] == chosen[(r['method'], r['batch'])][0]]
+    runs += train_all(seed_cells)
     wall = time.perf_counter() - start
-    summary = aggregate(runs, args.target)
-    text = tables(summary, batches, methods, args.target, args.epochs)
+    summary = aggregate(runs, grid_runs)
+    cell = {(r['method'], r['batch']): r for r in summary}
+    ref_row = cell.get(('sgd', batches[0]))
+    if ref_row is None:          # sgd not studied: the first method's small batch
+        ref_row = cell[(methods[0], batches[0])]
+    reference = ref_row['final_acc']
+    largest = largest_batch(summary, batches, methods, reference)
+    text = tables(summary, batches, methods, args, reference, largest)
     print(text)
-    print('\n%d runs in %.0f s' % (len(runs), wall))
+    print('\n%d runs (%d distinct trainings) in %.0f s'
+          % (len(grid_runs) + len(seed_cells), len(done), wall))
     os.makedirs(args.out, exist_ok=True)
-    plot(summary, batches, methods, os.path.join(args.out, 'study.png'), args.target)
+    plot(summary, batches, methods, os.path.join(args.out, 'study.png'), args.target,
+         reference)
     with open(os.path.join(args.out, 'study.md'), 'w') as f:
         f.write(text + '\n')
     settings = {k: v for k, v in vars(args).items() if k not in ('out', 'quiet')}
     settings.update(batch_sizes=batches, methods=methods, base_batch=BASE_BATCH,
-                    train_samples=n_train)
+                    train_samples=n_train, val_fraction=VAL_FRACTION, tolerance=TOLERANCE)
     with open(os.path.join(args.out, 'study.json'), 'w') as f:
-        json.dump(dict(settings=settings, wall_time_s=wall, versions=_train.versions(),
-                       summary=summary, runs=runs), f, indent=1)
+        json.dump(dict(settings=settings, wall_time_s=wall, distinct_trainings=len(done),
+                       versions=_train.versions(), reference_acc=reference,
+                       largest_batch=largest, summary=summary, runs=runs,
+                       grid_runs=grid_runs), f, indent=1)
     print('wrote %s' % ', '.join(os.path.join(args.out, n)
                                  for n in ('study.md', 'study.json', 'study.png')))
     return 0

@@ -1,8 +1,11 @@
 """The digits training loop behind ``mx-lbsgd train`` and ``benchmarks/study.py``.
 
-:func:`train` fits ``mx_lbsgd._models.mlp`` to scikit-learn's bundled 8x8 digits with a
-Gluon Trainer and returns the per-epoch and per-step history; :func:`write_outputs` turns
-that into ``metrics.csv``, ``steps.csv``, ``summary.json`` and ``training.png``.
+:func:`train` fits ``mx_lbsgd._models.mlp`` to scikit-learn's bundled 8x8 digits (or
+their one-pixel shifts, :func:`load_data`) with a Gluon Trainer and returns the per-epoch
+and per-step history; :func:`write_outputs` turns that, and optionally the result of a
+:func:`baseline_config` run, into ``metrics.csv``, ``steps.csv`` (``baseline-*.csv``),
+``summary.json`` and ``training.png``. ``mx-lbsgd train`` runs ``DEMO_DEFAULTS`` and its
+baseline; ``--single`` runs TrainConfig's own defaults alone.
 
 Conventions: ``batch_size`` is the micro-batch of one forward/backward pass (per worker
 with a dist kvstore); ``lbsgd`` and ``mxnet-lbsgd`` sum ``batch_scale`` micro-batches per
@@ -28,6 +31,12 @@ WARMUP_OPTIMIZERS = ('lbsgd', 'mxnet-lbsgd')     # the ones with warmup and batc
 DEFAULT_LR = {'lbsgd': 0.05, 'lssgd': 0.05, 'sgd': 0.05, 'mxnet-lbsgd': 0.05, 'lars': 2.0}
 DEFAULT_LARS_LR = 2.0       # lbsgd with warmup_strategy='lars' (trust ratio eta = 0.001)
 PLOT_FILES = ('training.png',)
+#: What ``mx-lbsgd train`` changes in TrainConfig's defaults (the defaults of ``--single``)
+#: for its main run: an effective batch of 32 x 8 = 256 by accumulation, linear warmup
+#: over 5 epochs, float16 weights with fp32 master copies and dynamic loss scaling.
+#: batch_scale and warmup_epochs apply to lbsgd / mxnet-lbsgd only.
+DEMO_DEFAULTS = dict(batch_scale=8, epochs=30, warmup_epochs=5.0, dtype='float16',
+                     growth_interval=20)
 
 
 class ConfigError(ValueError):
@@ -55,6 +64,11 @@ class TrainConfig:
     target: float = 0.95
     test_fraction: float = 0.25
     record_steps: bool = True                  # steps history (one host read per step)
+    dataset: str = 'digits'                    # or 'digits-shifted' (see load_data)
+    val_fraction: float = 0.0                  # of the non-test images: validation split
+    lr_decay: Optional[str] = None             # None or 'cosine' (to 0 at the last step)
+    warmup_from: Optional[float] = None        # sgd/lssgd/lars: linear warmup from this lr
+    hybridize: bool = True                     # Gluon hybridize(static_alloc=True)
 
     def resolved_lr(self):
         if self.lr is not None:
@@ -87,6 +101,44 @@ def load_digits(seed=0, test_fraction=0.25):
     return x[order[n_test:]], y[order[n_test:]], x[order[:n_test]], y[order[:n_test]]
 
 
+DATASETS = ('digits', 'digits-shifted')
+#: The 9 one-pixel shifts (dy, dx) of 'digits-shifted', the original first.
+SHIFTS = tuple((dy, dx) for dy in (0, -1, 1) for dx in (0, -1, 1))
+
+
+def _shifted(x, y):
+    """x (n, 64) and y with every image also shifted by one pixel in each of the 8
+    directions (zeros shifted in): 9 * n images, shift-major."""
+    img = x.reshape(-1, 8, 8)
+    out = []
+    for dy, dx in SHIFTS:
+        moved = np.zeros_like(img)
+        ys, yd = (slice(max(dy, 0), 8 + min(dy, 0)), slice(max(-dy, 0), 8 + min(-dy, 0)))
+        xs, xd = (slice(max(dx, 0), 8 + min(dx, 0)), slice(max(-dx, 0), 8 + min(-dx, 0)))
+        moved[:, yd, xd] = img[:, ys, xs]
+        out.append(moved.reshape(-1, 64))
+    return np.concatenate(out), np.tile(y, len(SHIFTS))
+
+
+def load_data(seed=0, test_fraction=0.25, val_fraction=0.0, dataset='digits'):
+    """(x_train, y_train, x_val, y_val, x_test, y_test) of `dataset`.
+
+    'digits': scikit-learn's 1,797 8x8 digits (load_digits; validation empty unless
+    val_fraction > 0). 'digits-shifted': the same images split the same way by source
+    image, then each split extended with the 8 one-pixel shifts of each of its images
+    (9 times as many images; no source image is in two splits). The validation split is
+    the first val_fraction of the non-test images."""
+    if dataset not in DATASETS:
+        raise ConfigError('dataset=%r is not supported; expected one of %r'
+                          % (dataset, DATASETS))
+    x, y, xt, yt = load_digits(seed, test_fraction)
+    n_val = int(len(x) * val_fraction)
+    xv, yv, x, y = x[:n_val], y[:n_val], x[n_val:], y[n_val:]
+    if dataset == 'digits-shifted':
+        (x, y), (xv, yv), (xt, yt) = _shifted(x, y), _shifted(xv, yv), _shifted(xt, yt)
+    return x, y, xv, yv, xt, yt
+
+
 def _make_scaler(cfg):
     """The DynamicLossScaler the run uses, or None for no loss scaling."""
     import mx_lbsgd
@@ -104,6 +156,9 @@ def _make_optimizer(cfg, scaler, updates_per_epoch):
     import mx_lbsgd
     common = dict(learning_rate=cfg.resolved_lr(), momentum=cfg.momentum, wd=cfg.wd,
                   multi_precision=cfg.dtype == 'float16')
+    sched = _scheduler(cfg, updates_per_epoch)
+    if sched is not None:
+        common['lr_scheduler'] = sched
     warm = dict(warmup_strategy=cfg.warmup_strategy, warmup_epochs=cfg.warmup_epochs,
                 batch_scale=cfg.batch_scale, updates_per_epoch=updates_per_epoch,
                 num_epochs=cfg.epochs)
@@ -123,6 +178,23 @@ def _make_optimizer(cfg, scaler, updates_per_epoch):
                       % (name, OPTIMIZERS))
 
 
+def _scheduler(cfg, steps_per_epoch):
+    """The WarmupScheduler for cfg.lr_decay / cfg.warmup_from, or None. Its count is the
+    optimizer's num_update: micro-batches for lbsgd (whose own warmup multiplies it),
+    updates for the others (one per step, batch_scale being 1 there)."""
+    import mx_lbsgd
+    if cfg.lr_decay is None and cfg.warmup_from is None:
+        return None
+    warm = 0
+    if cfg.warmup_from is not None:
+        warm = int(round(cfg.warmup_epochs * steps_per_epoch))
+    total = max(cfg.epochs * steps_per_epoch, warm + 1)
+    return mx_lbsgd.WarmupScheduler(
+        base_lr=cfg.resolved_lr(), warmup_steps=warm, strategy='linear',
+        warmup_begin_lr=cfg.warmup_from if cfg.warmup_from is not None else 0.0,
+        decay=cfg.lr_decay, max_update=total if cfg.lr_decay else None)
+
+
 def _check(cfg):
     if cfg.optimizer not in OPTIMIZERS:
         raise ConfigError('optimizer=%r is not supported; expected one of %r'
@@ -133,6 +205,12 @@ def _check(cfg):
     if cfg.batch_scale != 1 and cfg.optimizer not in WARMUP_OPTIMIZERS:
         raise ConfigError('batch_scale=%d needs optimizer lbsgd or mxnet-lbsgd (got %s)'
                           % (cfg.batch_scale, cfg.optimizer))
+    if cfg.warmup_from is not None and cfg.optimizer in WARMUP_OPTIMIZERS:
+        raise ConfigError('warmup_from is for optimizers without a warmup of their own, '
+                          'not %s' % cfg.optimizer)
+    if cfg.lr_decay not in (None, 'cosine'):
+        raise ConfigError("lr_decay=%r is not supported; expected None or 'cosine'"
+                          % (cfg.lr_decay,))
 
 
 HOROVOD_INSTALL = 'bash scripts/install_horovod.sh'
@@ -236,11 +314,12 @@ def _accuracy(net, x, y):
     return float(np.mean(pred == y))
 
 
-def _lr_now(cfg, applied, steps_per_epoch):
+def _lr_now(cfg, applied, steps_per_epoch, sched=None):
     """Scheduled learning rate after `applied` micro-batches (warmup for lbsgd-likes;
-    for LARS the base lr, which each layer's trust ratio multiplies)."""
+    for LARS the base lr, which each layer's trust ratio multiplies), times the
+    lr_decay / warmup_from scheduler `sched` if any."""
     from mx_lbsgd.schedules import WARMUP_SHAPES, warmup_multiplier
-    lr = cfg.resolved_lr()
+    lr = sched(max(applied, 1)) if sched is not None else cfg.resolved_lr()
     if cfg.optimizer in WARMUP_OPTIMIZERS and cfg.warmup_strategy in WARMUP_SHAPES:
         return lr * warmup_multiplier(applied, cfg.warmup_epochs * steps_per_epoch,
                                       cfg.batch_scale, cfg.warmup_strategy)
@@ -276,7 +355,8 @@ class _Run:
         import mxnet as mx
         from mx_lbsgd._models import mlp
         self.cfg = cfg
-        self.x, self.y, self.xt, self.yt = load_digits(cfg.seed, cfg.test_fraction)
+        self.x, self.y, self.xv, self.yv, self.xt, self.yt = load_data(
+            cfg.seed, cfg.test_fraction, cfg.val_fraction, cfg.dataset)
         if cfg.kvstore and 'dist' in cfg.kvstore and 'DMLC_ROLE' not in os.environ:
             raise ConfigError('kvstore=%r needs a parameter-server job: run it under '
                               '"mx-lbsgd launch -n WORKERS -- ..."' % cfg.kvstore)
@@ -291,7 +371,10 @@ class _Run:
                               'samples%s' % (cfg.batch_size * cfg.batch_scale, len(self.shard),
                                              ' of this worker' if self.workers > 1 else ''))
         self.net = mlp(tuple(cfg.hidden), dtype=cfg.dtype, seed=cfg.seed)
+        if cfg.hybridize:
+            self.net.hybridize(static_alloc=True)
         self.trainer, self.hook, self.scaler = build(cfg, self.net, self.steps_per_epoch, kv)
+        self.sched = _scheduler(cfg, self.steps_per_epoch)
         self.params = [p for p in self.net.collect_params().values() if p.grad_req != 'null']
         self.loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
         self.rng = np.random.RandomState(cfg.seed + 1)
@@ -304,7 +387,7 @@ class _Run:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def lr(self):
-        return _lr_now(self.cfg, self.applied, self.steps_per_epoch)
+        return _lr_now(self.cfg, self.applied, self.steps_per_epoch, self.sched)
 
     def step(self, xb, yb):
         """One forward/backward/update: (per-sample losses, logits, skipped, zero fraction)."""
@@ -326,6 +409,9 @@ class _Run:
         skipped = self.scaler.total_skipped - before if self.scaler is not None else 0
         self.skipped += skipped
         self.applied += 0 if skipped else 1
+        if skipped and cfg.optimizer == 'lbsgd' and cfg.batch_scale > 1:
+            # a skipped window: LBSGD uncounts its earlier micro-batches too
+            self.applied = max(self.applied - (cfg.batch_scale - 1), 0)
         self.step_count += 1
         return loss, out, skipped, zero
 
@@ -355,6 +441,8 @@ class _Run:
                    train_acc=float(correct.asscalar()) / seen,
                    test_acc=_accuracy(self.net, self.xt, self.yt), lr=self.lr(),
                    loss_scale=self.scale, skipped_steps=self.skipped - skipped_before)
+        if len(self.yv):
+            row['val_acc'] = _accuracy(self.net, self.xv, self.yv)
         if cfg.dtype == 'float16':
             row['underflow_fraction'] = probe_underflow(self.net, self.loss_fn, *self.probe,
                                                         scale=self.scale)
@@ -376,9 +464,24 @@ def _result(cfg, epochs, steps, wall, run):
                effective_batch=cfg.batch_size * cfg.batch_scale * run.workers,
                final_loss_scale=epochs[-1]['loss_scale'], test_samples=len(run.yt),
                rank=run.rank, num_workers=run.workers)
+    # the headline numbers under the names the summary documents
+    out.update(effective_batch_size=out['effective_batch'], batch_size=cfg.batch_size,
+               batch_scale=cfg.batch_scale, dtype=cfg.dtype, optimizer=cfg.optimizer,
+               warmup_strategy=(cfg.warmup_strategy if cfg.optimizer in WARMUP_OPTIMIZERS
+                                else 'linear' if cfg.warmup_from is not None else None),
+               loss_scale=out['final_loss_scale'], test_accuracy=accs[-1],
+               train_samples=len(run.shard), updates=_updates(cfg, run))
+    if epochs and 'val_acc' in epochs[-1]:
+        out['final_val_acc'] = epochs[-1]['val_acc']
     if epochs and 'underflow_fraction' in epochs[-1]:
         out['final_underflow_fraction'] = epochs[-1]['underflow_fraction']
     return out
+
+
+def _updates(cfg, run):
+    """Weight updates applied (micro-batches / batch_scale for the accumulating ones)."""
+    per = cfg.batch_scale if cfg.optimizer in WARMUP_OPTIMIZERS else 1
+    return run.step_count // per - run.skipped
 
 
 def versions():
@@ -393,9 +496,23 @@ def versions():
                 platform=platform.platform())
 
 
-EPOCH_FIELDS = ('epoch', 'train_loss', 'train_acc', 'test_acc', 'lr', 'loss_scale',
-                'skipped_steps', 'seconds', 'underflow_fraction')
+EPOCH_FIELDS = ('epoch', 'train_loss', 'train_acc', 'val_acc', 'test_acc', 'lr',
+                'loss_scale', 'skipped_steps', 'seconds', 'underflow_fraction')
 STEP_FIELDS = ('step', 'epoch', 'loss', 'lr', 'loss_scale', 'skipped', 'zero_grad_fraction')
+#: What summary.json's ``baseline`` keeps of the baseline's result.
+BASELINE_KEYS = ('optimizer', 'batch_size', 'batch_scale', 'effective_batch_size', 'dtype',
+                 'warmup_strategy', 'loss_scale', 'skipped_steps', 'test_accuracy',
+                 'final_test_acc', 'best_test_acc', 'best_epoch', 'epochs_to_target',
+                 'wall_time_s', 'total_steps', 'updates', 'steps_per_epoch')
+
+
+def baseline_config(cfg):
+    """The baseline of the default run: `cfg`'s data, model, epochs and seed, trained the
+    plain way: mx SGD with momentum, one micro-batch per update (cfg.batch_size), float32,
+    no loss scaling, no warmup, the default lr."""
+    return dataclasses.replace(
+        cfg, optimizer='sgd', warmup_strategy='linear', batch_scale=1, lr=None,
+        dtype='float32', loss_scale=None, kvstore=None, warmup_from=None, lr_decay=None)
 
 
 def _write_csv(path, fields, rows):
@@ -406,28 +523,40 @@ def _write_csv(path, fields, rows):
             writer.writerow({k: ('' if row.get(k) is None else row.get(k)) for k in fields})
 
 
-def write_outputs(result, out_dir, argv=None):
-    """Write metrics.csv, steps.csv (if recorded), summary.json and training.png into
-    out_dir (created); returns the list of paths written."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
+def _write_history(result, out_dir, prefix, paths):
     fields = [f for f in EPOCH_FIELDS if f in result['epochs'][0]]
-    path = os.path.join(out_dir, 'metrics.csv')
+    path = os.path.join(out_dir, prefix + 'metrics.csv')
     _write_csv(path, fields, result['epochs'])
     paths.append(path)
     if result['steps']:
-        path = os.path.join(out_dir, 'steps.csv')
+        path = os.path.join(out_dir, prefix + 'steps.csv')
         _write_csv(path, STEP_FIELDS, result['steps'])
         paths.append(path)
+
+
+def write_outputs(result, out_dir, argv=None, baseline=None):
+    """Write metrics.csv, steps.csv (if recorded), summary.json and training.png into
+    out_dir (created), and baseline-metrics.csv / baseline-steps.csv when `baseline` (the
+    baseline run's result) is given; returns the list of paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    _write_history(result, out_dir, '', paths)
+    if baseline is not None:
+        _write_history(baseline, out_dir, 'baseline-', paths)
     for name in PLOT_FILES:
         path = os.path.join(out_dir, name)
-        plot_training(result, path)
+        plot_training(result, path, baseline)
         paths.append(path)
     summary = {k: v for k, v in result.items() if k not in ('epochs', 'steps')}
+    what = ('test accuracy per epoch, learning rate per step, loss scale per step '
+            '(skipped steps: red x), train loss per epoch')
     summary.update(args=summary.pop('config'), argv=argv, versions=versions(),
-                   plots={'training.png': 'one figure, 2x2 subplots: loss, accuracy, '
-                                          'learning rate, loss scale (skipped steps: red x)'},
+                   plots={'training.png': 'one figure, 2x2 subplots: ' + what
+                          + (' (main run and baseline)' if baseline else '')},
                    files=[os.path.basename(p) for p in paths] + ['summary.json'])
+    if baseline is not None:
+        summary['baseline'] = dict({k: baseline[k] for k in BASELINE_KEYS},
+                                   args=baseline['config'])
     path = os.path.join(out_dir, 'summary.json')
     with open(path, 'w') as f:
         json.dump(summary, f, indent=1, default=_jsonable)
@@ -441,50 +570,89 @@ def _jsonable(value):
     raise TypeError('not JSON serializable: %r' % (value,))
 
 
-def plot_training(result, path):
-    """One PNG with four panels: loss, accuracy, learning rate, loss scale."""
+def describe(result):
+    """One line: optimizer, dtype, batch (micro x scale), warmup, loss scaling."""
+    cfg = result['config']
+    text = '%s %s, batch %d' % (cfg['optimizer'], cfg['dtype'], cfg['batch_size'])
+    if cfg['batch_scale'] > 1:
+        text += ' x %d = %d' % (cfg['batch_scale'], result['effective_batch_size'])
+    if result.get('warmup_strategy') == 'lars':
+        text += ', LARS'
+    elif result.get('warmup_strategy') and (cfg['batch_scale'] > 1
+                                            or cfg.get('warmup_from') is not None):
+        text += ', %s warmup %g ep' % (result['warmup_strategy'], cfg['warmup_epochs'])
+    if cfg['loss_scale'] != 'none':
+        text += ', loss scale %s' % cfg['loss_scale']
+    return text + ', lr %g' % cfg['lr']
+
+
+def _per_epoch(result):
+    """x of each step in epochs (step k of an epoch of n ends at epoch - 1 + k / n)."""
+    n = result['steps_per_epoch']
+    return [r['step'] / n for r in result['steps']]
+
+
+def plot_training(result, path, baseline=None):
+    """One PNG with four panels: test accuracy, learning rate, loss scale, train loss;
+    with `baseline`, both runs in the accuracy, learning rate and loss panels."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    ep, st, cfg = result['epochs'], result['steps'], result['config']
-    e = [r['epoch'] for r in ep]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    runs = [(result, 'main: ' + describe(result), 'C0')]
+    if baseline is not None:
+        runs.append((baseline, 'baseline: ' + describe(baseline), 'C1'))
+    cfg = result['config']
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     ax = axes[0, 0]
-    ax.plot(e, [r['train_loss'] for r in ep], 'o-')
-    ax.set(title='train loss', xlabel='epoch')
-    ax = axes[0, 1]
-    ax.plot(e, [r['train_acc'] for r in ep], 'o-', label='train')
-    ax.plot(e, [r['test_acc'] for r in ep], 's-', label='test')
+    for res, label, color in runs:
+        e = [r['epoch'] for r in res['epochs']]
+        ax.plot(e, [r['test_acc'] for r in res['epochs']], 'o-', ms=3, color=color,
+                label='%s (%.3f)' % (label.split(':')[0], res['final_test_acc']))
+    if baseline is None:
+        ax.plot(e, [r['train_acc'] for r in result['epochs']], '--', color='C2',
+                label='train')
     ax.axhline(cfg['target'], color='gray', ls=':', label='target %.2f' % cfg['target'])
-    ax.set(title='accuracy', xlabel='epoch', ylim=(0, 1.02))
-    ax.legend(loc='lower right')
+    low = min(min(r['test_acc'] for r in res['epochs']) for res, _, _ in runs)
+    ax.set(title='test accuracy per epoch', xlabel='epoch', ylim=(max(0, min(low, 0.8)), 1.0))
+    ax.legend(loc='lower right', fontsize=8)
+    ax = axes[0, 1]
+    for res, label, color in runs:
+        if res['steps']:
+            ax.plot(_per_epoch(res), [r['lr'] for r in res['steps']], color=color,
+                    label=label.split(':')[0])
+        else:
+            ax.plot([r['epoch'] for r in res['epochs']], [r['lr'] for r in res['epochs']],
+                    'o-', color=color, label=label.split(':')[0])
+    if result['batch_scale'] > 1 and cfg['warmup_strategy'] != 'lars' and cfg['warmup_epochs']:
+        ax.axvline(cfg['warmup_epochs'], color='gray', ls=':', label='end of warmup')
+    ax.set(title='learning rate per update (scheduled)', xlabel='epoch', ylim=(0, None))
+    ax.legend(loc='lower right', fontsize=8)
     ax = axes[1, 0]
+    st = result['steps']
     if st:
-        ax.plot([r['step'] for r in st], [r['lr'] for r in st])
-        ax.set(title='learning rate (scheduled)', xlabel='step')
-    else:
-        ax.plot(e, [r['lr'] for r in ep], 'o-')
-        ax.set(title='learning rate (scheduled)', xlabel='epoch')
-    ax = axes[1, 1]
-    if st:
-        ax.plot([r['step'] for r in st], [r['loss_scale'] for r in st], label='loss scale')
-        bad = [r for r in st if r['skipped']]
+        x = _per_epoch(result)
+        ax.plot(x, [r['loss_scale'] for r in st], color='C0', label='loss scale (main)')
+        bad = [(xi, r['loss_scale']) for xi, r in zip(x, st) if r['skipped']]
         if bad:
-            ax.plot([r['step'] for r in bad], [r['loss_scale'] for r in bad], 'rx',
-                    label='skipped (%d)' % len(bad))
-        ax.set(xlabel='step')
+            ax.plot(*zip(*bad), 'rx', ms=8, label='skipped step (%d)' % len(bad))
     else:
-        ax.plot(e, [r['loss_scale'] for r in ep], 'o-', label='loss scale')
-        ax.set(xlabel='epoch')
+        ax.plot([r['epoch'] for r in result['epochs']],
+                [r['loss_scale'] for r in result['epochs']], 'o-', label='loss scale (main)')
     ax.set_yscale('log', base=2)
     title = 'loss scale (%s)' % cfg['loss_scale']
     if 'final_underflow_fraction' in result:
-        title += ', underflow %.2f%%' % (100 * result['final_underflow_fraction'])
-    ax.set_title(title)
-    ax.legend(loc='best')
-    fig.suptitle('%s, %s, batch %d x %d, lr %g: test acc %.3f' % (
-        cfg['optimizer'], cfg['dtype'], cfg['batch_size'], cfg['batch_scale'], cfg['lr'],
-        result['final_test_acc']))
+        title += ', fp16 gradient underflow %.2f%%' % (100 * result['final_underflow_fraction'])
+    ax.set(title=title, xlabel='epoch')
+    ax.legend(loc='best', fontsize=8)
+    ax = axes[1, 1]
+    for res, label, color in runs:
+        ax.plot([r['epoch'] for r in res['epochs']], [r['train_loss'] for r in res['epochs']],
+                'o-', ms=3, color=color, label=label.split(':')[0])
+    ax.set_yscale('log')
+    ax.set(title='train loss per epoch', xlabel='epoch')
+    ax.legend(loc='upper right', fontsize=8)
+    lines = ['%s: test acc %.3f' % (label, res['final_test_acc']) for res, label, _ in runs]
+    fig.suptitle('\n'.join(lines), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -15,6 +15,7 @@ tqdm and matplotlib (the ``demo`` extra) are imported where used. ``train``, ``s
 one line naming the install command and exit 2.
 """
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -141,12 +142,20 @@ def _hidden(text):
 # -- train ---------------------------------------------------------------------------------
 def _train_parser():
     from . import _train
+    demo = _train.DEMO_DEFAULTS
     p = _Parser(prog='mx-lbsgd train', description=(
-        "Train an MLP on scikit-learn's bundled 8x8 digits with Gluon and write metrics.csv "
-        '(one row per epoch), steps.csv (one row per step), summary.json and training.png '
-        '(loss, accuracy, learning rate, loss scale) to --out. The default run (lbsgd, '
-        'batch 32, 15 epochs) takes a few seconds and reaches 0.958-0.971 test accuracy '
-        '(seeds 0-4).'),
+        "Train an MLP on scikit-learn's bundled 8x8 digits with Gluon, twice: the main run "
+        '(default: lbsgd, micro-batches of 32 accumulated %d at a time into an effective '
+        'batch of %d, linear warmup over %g epochs, float16 weights with fp32 master '
+        'copies and dynamic loss scaling, %d epochs) and a baseline (sgd, batch 32, '
+        'float32, no warmup, no loss scaling, the same epochs and seed). Writes '
+        'metrics.csv (one row per epoch), steps.csv (one row per step, with the lr and '
+        'the loss scale), baseline-metrics.csv, baseline-steps.csv, summary.json and '
+        'training.png (both runs: test accuracy, learning rate, loss scale with the '
+        'skipped steps, train loss) to --out. --single trains one run with the former '
+        'defaults (batch 32 x 1, float32, 15 epochs, warmup 1 epoch), as before.'
+        % (demo['batch_scale'], 32 * demo['batch_scale'], demo['warmup_epochs'],
+           demo['epochs'])),
         epilog=(
         'Conventions: --batch-size is the micro-batch of one forward/backward (per worker '
         'with dist_sync). lbsgd and mxnet-lbsgd sum --batch-scale micro-batches per update '
@@ -168,27 +177,35 @@ def _train_parser():
     p.add_argument('--warmup-strategy', choices=tuple(schedules.WARMUP_STRATEGIES),
                    help='lbsgd / mxnet-lbsgd only (default %s)' % d.warmup_strategy)
     p.add_argument('--warmup-epochs', type=_number(float, 0),
-                   help='lbsgd / mxnet-lbsgd only (default %g)' % d.warmup_epochs)
+                   help='lbsgd / mxnet-lbsgd only (default %g; --single: %g)'
+                        % (demo['warmup_epochs'], d.warmup_epochs))
     p.add_argument('--batch-size', type=_number(int, 1), default=d.batch_size,
                    help='micro-batch size (default %(default)s)')
-    p.add_argument('--batch-scale', type=_number(int, 1), default=d.batch_scale,
+    p.add_argument('--batch-scale', type=_number(int, 1),
                    help='micro-batches per update, also the final warmup multiplier '
-                        '(lbsgd / mxnet-lbsgd; default %(default)s)')
-    p.add_argument('--epochs', type=_number(int, 1), default=d.epochs,
-                   help='default %(default)s')
+                        '(lbsgd / mxnet-lbsgd; default %d; --single or another '
+                        'optimizer: %d)' % (demo['batch_scale'], d.batch_scale))
+    p.add_argument('--epochs', type=_number(int, 1),
+                   help='default %d (--single: %d)' % (demo['epochs'], d.epochs))
     p.add_argument('--lr', type=_number(float, 0, open_low=True),
                    help='base learning rate (default: per optimizer, see below)')
     p.add_argument('--momentum', type=_number(float, 0, 1, open_high=True),
                    default=d.momentum, help='default %(default)s')
     p.add_argument('--wd', type=_number(float, 0), default=d.wd, help='default %(default)s')
-    p.add_argument('--dtype', choices=('float32', 'float16'), default=d.dtype,
-                   help='default %(default)s')
+    p.add_argument('--dtype', choices=('float32', 'float16'),
+                   help='default %s (--single: %s)' % (demo['dtype'], d.dtype))
     p.add_argument('--loss-scale', type=_loss_scale, metavar='{dynamic,none,SCALE}',
                    help='default: dynamic for float16, none for float32; a number is a '
                         'static scale (overflow steps are still skipped)')
-    p.add_argument('--growth-interval', type=_number(int, 1), default=d.growth_interval,
-                   help='finite steps before a dynamic loss scale doubles '
-                        '(default %(default)s)')
+    p.add_argument('--growth-interval', type=_number(int, 1),
+                   help='finite steps before a dynamic loss scale doubles (default %d; '
+                        '--single: %d)' % (demo['growth_interval'], d.growth_interval))
+    p.add_argument('--single', action='store_true',
+                   help='one run, no baseline, with the former defaults (batch 32 x 1, '
+                        'float32, 15 epochs, warmup 1 epoch, growth interval 100); the '
+                        'other flags apply as given')
+    p.add_argument('--no-baseline', action='store_true',
+                   help='skip the baseline run (keeps the defaults of the main run)')
     p.add_argument('--kvstore', choices=('local', 'device', 'dist_sync', 'horovod'),
                    help='default: none. dist_sync: run under "mx-lbsgd launch"; horovod: '
                         'run under "horovodrun --gloo -np 2 -H localhost:2"; each worker '
@@ -214,26 +231,40 @@ def _train_config(args, parser):
         if value is not None and not lbsgd_like:
             parser.error('argument %s: applies to lbsgd and mxnet-lbsgd only, not %s'
                          % (flag, args.optimizer))
-    if args.batch_scale != 1 and not lbsgd_like:
+    if args.batch_scale not in (None, 1) and not lbsgd_like:
         parser.error('argument --batch-scale: applies to lbsgd and mxnet-lbsgd only, not %s'
                      % args.optimizer)
-    d = _train.TrainConfig()
+    d = dict(dataclasses.asdict(_train.TrainConfig()))
+    if not args.single:
+        d.update(_train.DEMO_DEFAULTS)
+        if not lbsgd_like:
+            d['batch_scale'] = 1
+
+    def pick(name):
+        value = getattr(args, name)
+        return d[name] if value is None else value
     return _train.TrainConfig(
-        optimizer=args.optimizer, warmup_strategy=args.warmup_strategy or d.warmup_strategy,
-        warmup_epochs=d.warmup_epochs if args.warmup_epochs is None else args.warmup_epochs,
-        batch_size=args.batch_size, batch_scale=args.batch_scale, epochs=args.epochs,
-        lr=args.lr, momentum=args.momentum, wd=args.wd, dtype=args.dtype,
-        loss_scale=args.loss_scale, growth_interval=args.growth_interval,
+        optimizer=args.optimizer, warmup_strategy=args.warmup_strategy or d['warmup_strategy'],
+        warmup_epochs=pick('warmup_epochs'), batch_size=args.batch_size,
+        batch_scale=pick('batch_scale'), epochs=pick('epochs'), lr=args.lr,
+        momentum=args.momentum, wd=args.wd, dtype=pick('dtype'),
+        loss_scale=args.loss_scale, growth_interval=pick('growth_interval'),
         kvstore=args.kvstore, seed=args.seed, hidden=args.hidden, target=args.target,
         record_steps=not args.no_steps)
+
+
+def _wants_baseline(args):
+    """The baseline runs unless --single / --no-baseline, or a multi-process job (each
+    worker would train it alone)."""
+    return not (args.single or args.no_baseline or args.kvstore in ('dist_sync', 'horovod'))
 
 
 class _Progress:
     """A tqdm bar over steps on a terminal; otherwise one line per epoch (unless quiet).
     Workers other than rank 0 stay silent."""
 
-    def __init__(self, cfg, quiet):
-        self.cfg, self.quiet, self.bar = cfg, quiet, None
+    def __init__(self, cfg, quiet, label=''):
+        self.cfg, self.quiet, self.bar, self.label = cfg, quiet, None, label
 
     def start(self, info):
         self.quiet = self.quiet or info['rank'] != 0
@@ -241,7 +272,8 @@ class _Progress:
             from tqdm import tqdm
             self.bar = tqdm(total=info['steps_per_epoch'] * info['epochs'], unit='step',
                             dynamic_ncols=True, leave=True,
-                            desc='%s %s' % (self.cfg.optimizer, self.cfg.dtype))
+                            desc='%s%s %s' % (self.label and self.label + ': ',
+                                              self.cfg.optimizer, self.cfg.dtype))
 
     def step(self, row):
         if self.bar is not None:
@@ -252,10 +284,10 @@ class _Progress:
             self.bar.set_postfix(loss='%.4f' % row['train_loss'], acc='%.3f' % row['test_acc'],
                                  lr='%.3g' % row['lr'], scale='%g' % row['loss_scale'])
         elif not self.quiet:
-            print('epoch %3d  train loss %.4f  train acc %.3f  test acc %.3f  lr %.4g  '
+            print('%sepoch %3d  train loss %.4f  train acc %.3f  test acc %.3f  lr %.4g  '
                   'loss scale %g  skipped %d  %.1f s' % (
-                      row['epoch'], row['train_loss'], row['train_acc'], row['test_acc'],
-                      row['lr'], row['loss_scale'], row['skipped_steps'], row['seconds']),
+                      self.label and self.label + ' ', row['epoch'], row['train_loss'],
+                      row['train_acc'], row['test_acc'], row['lr'], row['loss_scale'], row['skipped_steps'], row['seconds']),
                   flush=True)
 
     def close(self):
@@ -271,17 +303,30 @@ def _cmd_train(argv):
     _require_demo(parser.prog)
     out = args.out or os.path.join('runs', time.strftime('%Y%m%d-%H%M%S'))
     _writable_dir(parser.prog, out)          # before training, not after it
-    progress = _Progress(cfg, args.quiet)
-    try:
-        result = _train.train(cfg, on_start=progress.start, on_step=progress.step,
-                              on_epoch=progress.epoch)
-    except _train.ConfigError as err:
-        raise _UsageError('%s: error: %s' % (parser.prog, err)) from None
-    finally:
-        progress.close()
-    if result['rank'] != 0:
-        return 0
-    paths = _train.write_outputs(result, out, argv=list(argv))
+    runs = [('main' if _wants_baseline(args) else '', cfg)]
+    if _wants_baseline(args):
+        runs.append(('baseline', _train.baseline_config(cfg)))
+    results = []
+    for label, run_cfg in runs:
+        progress = _Progress(run_cfg, args.quiet, label)
+        try:
+            results.append(_train.train(run_cfg, on_start=progress.start,
+                                        on_step=progress.step, on_epoch=progress.epoch))
+        except _train.ConfigError as err:
+            raise _UsageError('%s: error: %s' % (parser.prog, err)) from None
+        finally:
+            progress.close()
+        if results[0]['rank'] != 0:
+            return 0
+    result, baseline = results[0], (results[1] if len(results) > 1 else None)
+    paths = _train.write_outputs(result, out, argv=list(argv), baseline=baseline)
+    for (label, _), res in zip(runs, results):
+        print((label + ': ' if label else '') + _result_line(res))
+    print('wrote %s' % ', '.join(paths))
+    return 0
+
+
+def _result_line(result):
     reach = result['epochs_to_target']
     line = ('test accuracy %.4f (best %.4f at epoch %d; %s %.2f %s) in %.1f s, '
             '%d of %d steps skipped' % (
@@ -289,11 +334,13 @@ def _cmd_train(argv):
                 'target', result['target_acc'],
                 'reached at epoch %d' % reach if reach else 'not reached',
                 result['wall_time_s'], result['skipped_steps'], result['total_steps']))
+    if result['effective_batch_size'] != result['batch_size']:
+        line += ', effective batch %d' % result['effective_batch_size']
+    if result['loss_scale'] != 1.0 or result['config']['loss_scale'] != 'none':
+        line += ', final loss scale %g' % result['loss_scale']
     if 'final_underflow_fraction' in result:
         line += ', gradient underflow %.2f%%' % (100 * result['final_underflow_fraction'])
-    print(line)
-    print('wrote %s' % ', '.join(paths))
-    return 0
+    return line
 
 
 # -- schedule ------------------------------------------------------------------------------
@@ -423,12 +470,18 @@ def _cmd_bench(argv):
         "MXNet's optimizers) from the source checkout; arguments it does not know go to "
         'the script, e.g. --rounds 4 --dtypes float32 --only "lbsgd linear" --json F. '
         "'mx-lbsgd bench -- --help' shows the script's own options."))
-    p.add_argument('--loss-scale', action='store_true',
-                   help='run benchmarks/bench_loss_scale.py instead (it has --quick)')
+    which = p.add_mutually_exclusive_group()
+    which.add_argument('--loss-scale', action='store_true',
+                       help='run benchmarks/bench_loss_scale.py instead (it has --quick)')
+    which.add_argument('--shapes', action='store_true',
+                       help='run benchmarks/bench_shapes.py instead: step time vs tensor '
+                            'count, ResNet-50 shapes and loss-scaled steps (it has --quick, '
+                            '--only SECTION and --plot F)')
     args, rest = p.parse_known_args(argv)
     if rest[:1] == ['--']:
         rest = rest[1:]
-    name = 'bench_loss_scale.py' if args.loss_scale else 'bench_step.py'
+    name = ('bench_loss_scale.py' if args.loss_scale else
+            'bench_shapes.py' if args.shapes else 'bench_step.py')
     return _run_script(_script(p.prog, name), rest)
 
 

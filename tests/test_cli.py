@@ -40,8 +40,8 @@ def _one_line_error(err, *words):
 
 def test_train_writes_metrics_summary_and_plot(tmp_path, capsys):
     out = tmp_path / 'run'
-    assert main(['train', '--epochs', '2', '--batch-scale', '2', '--out', str(out),
-                 '--quiet']) == 0
+    assert main(['train', '--single', '--epochs', '2', '--batch-scale', '2', '--out',
+                 str(out), '--quiet']) == 0
     printed = capsys.readouterr().out
     assert 'test accuracy' in printed
     rows = _rows(out / 'metrics.csv')
@@ -67,10 +67,75 @@ def test_train_writes_metrics_summary_and_plot(tmp_path, capsys):
         assert (out / name).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+DEMO_SUMMARY_KEYS = {'effective_batch_size', 'batch_scale', 'warmup_strategy', 'dtype',
+                     'loss_scale', 'skipped_steps', 'test_accuracy', 'baseline'}
+
+
+def test_default_train_is_the_large_batch_demo_with_a_baseline(tmp_path, capsys):
+    # the default run, shortened to 2 epochs: main run (32 x 8 = 256, linear warmup,
+    # fp16 + dynamic loss scaling) and the fp32 batch-32 sgd baseline, one picture
+    out = tmp_path / 'demo'
+    assert main(['train', '--epochs', '2', '--out', str(out), '--quiet']) == 0
+    printed = capsys.readouterr().out
+    assert 'main: test accuracy' in printed and 'baseline: test accuracy' in printed
+    summary = json.loads((out / 'summary.json').read_text())
+    assert SUMMARY_KEYS | DEMO_SUMMARY_KEYS <= set(summary)
+    assert summary['effective_batch_size'] == 256 and summary['batch_scale'] == 8
+    assert summary['warmup_strategy'] == 'linear' and summary['dtype'] == 'float16'
+    assert summary['args']['loss_scale'] == 'dynamic'
+    assert summary['args']['warmup_epochs'] == 5.0
+    base = summary['baseline']
+    assert (base['optimizer'], base['batch_size'], base['batch_scale'], base['dtype'],
+            base['loss_scale'], base['skipped_steps']) == ('sgd', 32, 1, 'float32', 1.0, 0)
+    assert base['effective_batch_size'] == 32 and base['args']['epochs'] == 2
+    assert 0.8 < base['test_accuracy'] <= 1.0
+    # per-step lr: the warmup from 0.05 towards 0.05 * 8 (5 epochs; 2 trained)
+    steps = _rows(out / 'steps.csv')
+    assert len(steps) == 2 * 42
+    lrs = [float(s['lr']) for s in steps]
+    assert lrs[0] == pytest.approx(0.05 * (1 + 7 * 1 / 210))
+    assert 0.05 < lrs[-1] < 0.4 and max(lrs) < 0.4 and lrs[-1] > lrs[0] * 2
+    scales = [float(s['loss_scale']) for s in steps]
+    skipped = sum(int(s['skipped']) for s in steps)
+    # it rises at every step but after a skipped window (LBSGD uncounts its micro-batches)
+    assert sum(b <= a for a, b in zip(lrs, lrs[1:])) <= skipped
+    assert scales[0] == 2.0 ** 16 and summary['skipped_steps'] == skipped >= 1
+    assert summary['loss_scale'] == summary['final_loss_scale'] < 2.0 ** 16
+    assert summary['test_accuracy'] == summary['final_test_acc']
+    base_steps = _rows(out / 'baseline-steps.csv')
+    assert len(base_steps) == 2 * 42
+    assert {float(s['lr']) for s in base_steps} == {0.05}
+    assert {float(s['loss_scale']) for s in base_steps} == {1.0}
+    assert len(_rows(out / 'baseline-metrics.csv')) == 2
+    # one picture, both runs
+    assert 'baseline' in summary['plots']['training.png']
+    assert (out / 'training.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert set(summary['files']) == {'metrics.csv', 'steps.csv', 'baseline-metrics.csv',
+                                     'baseline-steps.csv', 'training.png', 'summary.json'}
+
+
+def test_single_is_the_former_default_run(tmp_path):
+    out = tmp_path / 'single'
+    assert main(['train', '--single', '--epochs', '1', '--out', str(out), '--quiet']) == 0
+    summary = json.loads((out / 'summary.json').read_text())
+    assert 'baseline' not in summary and not (out / 'baseline-metrics.csv').exists()
+    args = summary['args']
+    assert (args['batch_scale'], args['dtype'], args['warmup_epochs'], args['loss_scale'],
+            args['growth_interval']) == (1, 'float32', 1.0, 'none', 100)
+    assert summary['effective_batch_size'] == 32 and summary['loss_scale'] == 1.0
+    # --no-baseline keeps the new defaults; flags given explicitly win in both modes
+    out = tmp_path / 'nobase'
+    assert main(['train', '--no-baseline', '--epochs', '1', '--batch-scale', '4',
+                 '--no-steps', '--out', str(out), '--quiet']) == 0
+    summary = json.loads((out / 'summary.json').read_text())
+    assert 'baseline' not in summary and summary['effective_batch_size'] == 128
+    assert summary['dtype'] == 'float16' and summary['args']['epochs'] == 1
+
+
 def test_train_float16_dynamic_loss_scale(tmp_path):
     out = tmp_path / 'fp16'
-    assert main(['train', '--epochs', '1', '--dtype', 'float16', '--optimizer', 'sgd',
-                 '--out', str(out), '--quiet']) == 0
+    assert main(['train', '--single', '--epochs', '1', '--dtype', 'float16', '--optimizer',
+                 'sgd', '--out', str(out), '--quiet']) == 0
     rows = _rows(out / 'metrics.csv')
     assert len(rows) == 1
     steps = _rows(out / 'steps.csv')
@@ -88,8 +153,8 @@ def test_train_float16_dynamic_loss_scale(tmp_path):
 
 def test_train_float16_unscaled_lbsgd(tmp_path):
     out = tmp_path / 'none'
-    assert main(['train', '--epochs', '1', '--dtype', 'float16', '--loss-scale', 'none',
-                 '--out', str(out), '--quiet', '--no-steps']) == 0
+    assert main(['train', '--single', '--epochs', '1', '--dtype', 'float16', '--loss-scale',
+                 'none', '--out', str(out), '--quiet', '--no-steps']) == 0
     assert not (out / 'steps.csv').exists()
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['skipped_steps'] == 0 and summary['final_loss_scale'] == 1.0
@@ -132,7 +197,8 @@ def test_help_exits_0(capsys):
     assert main(['--help']) == 0
     assert 'schedule' in capsys.readouterr().out
     assert main(['train', '--help']) == 0
-    assert '--warmup-strategy' in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert '--warmup-strategy' in text and '--single' in text and '--no-baseline' in text
 
 
 def _table(text):
@@ -180,6 +246,22 @@ def test_bench_runs_the_benchmark_script(monkeypatch, capsys):
     assert seen['path'].endswith('bench_loss_scale.py') and seen['argv'] == ['--quick']
 
 
+def test_bench_shapes_runs_the_shapes_script(monkeypatch, capsys):
+    seen = {}
+
+    def fake_run(path, argv):
+        seen.update(path=path, argv=argv)
+        return 0
+    monkeypatch.setattr('mx_lbsgd.cli._run_script', fake_run)
+    assert main(['bench', '--shapes', '--quick', '--only', 'sweep']) == 0
+    assert seen['path'] == os.path.join(ROOT, 'benchmarks', 'bench_shapes.py')
+    assert os.path.isfile(seen['path'])
+    assert seen['argv'] == ['--quick', '--only', 'sweep']
+    assert main(['bench', '--shapes', '--', '--help']) == 0
+    assert seen['argv'] == ['--help']
+    assert main(['bench', '--shapes', '--loss-scale']) == 2      # one script at a time
+
+
 def test_bench_without_checkout_exits_2(monkeypatch, capsys):
     monkeypatch.setattr('mx_lbsgd.cli._benchmarks_dir', lambda: None)
     assert main(['bench']) == 2
@@ -202,8 +284,8 @@ def test_launch_delegates(monkeypatch):
 
 def test_train_dist_sync_two_workers_rank0_writes(tmp_path):
     out = tmp_path / 'dist'
-    worker = [sys.executable, '-m', 'mx_lbsgd', 'train', '--kvstore', 'dist_sync',
-              '--epochs', '1', '--no-steps', '--out', str(out)]
+    worker = [sys.executable, '-m', 'mx_lbsgd', 'train', '--single', '--kvstore',
+              'dist_sync', '--epochs', '1', '--no-steps', '--out', str(out)]
     proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'launch', '-n', '2',
                            '--timeout', '120', '--'] + worker, cwd=str(tmp_path),
                           env=_env(), capture_output=True, text=True, timeout=180)
