@@ -94,10 +94,11 @@ def fresh_gradients(param_dict):
     """
     grads = []
     for param in param_dict.values():
-        if param.grad_req == 'null' or param._data is None:
+        # Parameter._data / _grad: the per-device lists list_data()/list_grad() return,
+        # read directly (this runs every step; the public calls re-check initialisation)
+        if param._grad_req == 'null' or param._data is None or param._grad is None:
             continue
-        grads += [legacy(g) for d, g in zip(param.list_data(), param.list_grad())
-                  if is_fresh(d)]
+        grads += [legacy(g) for d, g in zip(param._data, param._grad) if d._fresh_grad]
     return grads
 
 

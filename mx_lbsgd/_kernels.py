@@ -21,20 +21,26 @@ from mxnet import nd
 MAX_TENSORS_PER_KERNEL = 60        # limit of MXNet's multi_* and preloaded_multi_* ops
 MAX_ARRAYS_PER_FINITE_CHECK = 200  # limit of multi_all_finite
 # Tensors with at least this many elements run per-tensor kernels when the path is not
-# forced. Measured on the CPU wheel (benchmarks/bench_shapes.py): per-tensor wins from
-# ~40k elements (4M params in 100 tensors: 12.7 vs 18.5 ms), multi-tensor below (4k
-# elements: 25.7 vs 74.5 ms). On a GPU one multi-tensor launch beats many per-tensor ones.
-PER_TENSOR_MIN_SIZE = {'cpu': 1 << 15, 'gpu': 1 << 62}
+# forced. Measured on the CPU wheel (benchmarks/bench_shapes.py, 4M parameters in N equal
+# tensors): fp32 per-tensor wins from ~40k elements (N=100: 12.7 vs 18.5 ms), multi-tensor
+# below (4k elements: 25.7 vs 74.5 ms). fp16 weights with fp32 master copies pay two casts
+# per tensor on the per-tensor path, so multi-tensor (mp) kernels win up to larger tensors
+# (40k: 122.6 vs 134.1 ms; 400k: 152.1 vs 45.2 ms). On a GPU one multi-tensor launch beats
+# many per-tensor ones.
+PER_TENSOR_MIN_SIZE = {('cpu', 'float16'): 1 << 17, 'cpu': 1 << 15, 'gpu': 1 << 62}
 
 
-def route(sizes, device_type, fused):
+def route(sizes, device_type, fused, dtype=None):
     """(per-tensor positions, multi-tensor positions) for tensors of `sizes` elements.
 
-    fused=True/False forces one path; None routes by size (`PER_TENSOR_MIN_SIZE`)."""
+    fused=True/False forces one path; None routes by size (`PER_TENSOR_MIN_SIZE`, by
+    device type and weight dtype)."""
     if fused is not None:
         every = list(range(len(sizes)))
         return ([], every) if fused else (every, [])
-    limit = PER_TENSOR_MIN_SIZE.get(device_type, PER_TENSOR_MIN_SIZE['gpu'])
+    limit = PER_TENSOR_MIN_SIZE.get(
+        (device_type, None if dtype is None else np.dtype(dtype).name),
+        PER_TENSOR_MIN_SIZE.get(device_type, PER_TENSOR_MIN_SIZE['gpu']))
     big = [i for i, n in enumerate(sizes) if n >= limit]
     small = [i for i, n in enumerate(sizes) if n < limit]
     return big, small
@@ -222,35 +228,64 @@ def _multi_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, mom
             nd.Cast(w32, dtype=w.dtype, out=w)
 
 
+_FINITE_PLANS = {}
+
+
 def finite_flag(arrays, fused):
     """A float32 (1,) array on the first array's context: 1 if every element of every array
     is finite, else 0. Works across contexts and dtypes; reads nothing back to the host.
 
     Routed like the update (`route`): `multi_all_finite` over the small arrays of a
     (context, dtype) in chunks of 200, `all_finite` per big array, all AND-ed into one flag
-    per context.
+    per context (the first kernel of a context initialises it). The grouping is computed
+    once per tuple of arrays (a Trainer hands the same gradient arrays every step).
     """
+    key = (tuple(id(a) for a in arrays), fused)
+    plan = _FINITE_PLANS.get(key)
+    if plan is None or any(a is not b for a, b in zip(plan[0], arrays)):
+        sparse = any(a.stype != 'default' for a in arrays)
+        plan = (list(arrays), _finite_plan(arrays, fused), sparse)
+        if not sparse:
+            _FINITE_PLANS[key] = plan
+            if len(_FINITE_PLANS) > 64:       # bound the cache (changing gradient sets)
+                _FINITE_PLANS.pop(next(iter(_FINITE_PLANS)))
+    elif plan[2]:                             # stored rows change every step
+        plan = (arrays, _finite_plan(arrays, fused), True)
+    flags = []
+    for ctx, calls in plan[1]:
+        flag = nd.empty((1,), ctx=ctx, dtype=np.float32)
+        for n, (single, chunk) in enumerate(calls):
+            if single is not None:
+                nd.all_finite(single, init_output=n == 0, out=flag)
+            else:
+                nd.multi_all_finite(*chunk, num_arrays=len(chunk), init_output=n == 0,
+                                    out=flag)
+        flags.append(flag)
+    if not flags:
+        return nd.ones((1,), dtype=np.float32)
+    first, *rest = flags
+    for flag in rest:
+        first = nd.minimum(first, flag.as_in_context(first.context))
+    return first
+
+
+def _finite_plan(arrays, fused):
+    """[(context, [(array, None) | (None, chunk of arrays)])] for `finite_flag`."""
     groups = {}
     for a in arrays:
         if a.stype != 'default':
             a = a.data          # the stored values only (row_sparse rows, csr entries)
-        groups.setdefault((a.context, a.dtype), []).append(a)
-    flags = {}
-    for (ctx, _), group in groups.items():
-        flag = flags.get(ctx)
-        if flag is None:
-            flag = flags[ctx] = nd.ones((1,), ctx=ctx, dtype=np.float32)
-        single, multi = route([a.size for a in group], ctx.device_type, fused)
-        for i in single:
-            nd.all_finite(group[i], init_output=False, out=flag)
-        for chunk in _chunks([group[i] for i in multi], MAX_ARRAYS_PER_FINITE_CHECK):
-            nd.multi_all_finite(*chunk, num_arrays=len(chunk), init_output=False, out=flag)
-    if not flags:
-        return nd.ones((1,), dtype=np.float32)
-    first, *rest = flags.values()
-    for flag in rest:
-        first = nd.minimum(first, flag.as_in_context(first.context))
-    return first
+        groups.setdefault(a.context, {}).setdefault(a.dtype, []).append(a)
+    plan = []
+    for ctx, by_dtype in groups.items():
+        calls = []
+        for dtype, group in by_dtype.items():
+            single, multi = route([a.size for a in group], ctx.device_type, fused, dtype)
+            calls += [(group[i], None) for i in single]
+            calls += [(None, chunk) for chunk in
+                      _chunks([group[i] for i in multi], MAX_ARRAYS_PER_FINITE_CHECK)]
+        plan.append((ctx, calls))
+    return plan
 
 
 def scale_in_place(arrays, factor):

@@ -403,7 +403,8 @@ class LBSGD(mx.optimizer.Optimizer):
         routes = []
         for members in groups.values():
             single, multi = _kernels.route([weight[j].size for j in members],
-                                           weight[0].context.device_type, self.fused)
+                                           weight[0].context.device_type, self.fused,
+                                           weight[members[0]].dtype)
             routes += [(_kernels._single_tensor_sgd, [members[p] for p in single]),
                        (_kernels._multi_tensor_sgd, [members[p] for p in multi])]
         lars = self.warmup_strategy == 'lars'
