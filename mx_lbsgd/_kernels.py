@@ -22,12 +22,10 @@ MAX_TENSORS_PER_KERNEL = 60        # limit of MXNet's multi_* and preloaded_mult
 MAX_ARRAYS_PER_FINITE_CHECK = 200  # limit of multi_all_finite
 # Tensors with at least this many elements run per-tensor kernels when the path is not
 # forced. Measured on the CPU wheel (benchmarks/bench_shapes.py, 4M parameters in N equal
-# tensors): fp32 per-tensor wins from ~40k elements (N=100: 12.7 vs 18.5 ms), multi-tensor
-# below (4k elements: 25.7 vs 74.5 ms). fp16 weights with fp32 master copies pay two casts
-# per tensor on the per-tensor path, so multi-tensor (mp) kernels win up to larger tensors
-# (40k: 122.6 vs 134.1 ms; 400k: 152.1 vs 45.2 ms). On a GPU one multi-tensor launch beats
-# many per-tensor ones.
-PER_TENSOR_MIN_SIZE = {('cpu', 'float16'): 1 << 17, 'cpu': 1 << 15, 'gpu': 1 << 62}
+# tensors): per-tensor wins from ~40k elements (N=100, fp32: 14.6 vs 25.1 ms; fp16 with
+# master copies: 40.8 vs 64.3 ms), multi-tensor below (N=1000, fp32: 47 vs 111 ms). On a
+# GPU one multi-tensor launch beats many per-tensor ones.
+PER_TENSOR_MIN_SIZE = {'cpu': 1 << 15, 'gpu': 1 << 62}
 
 
 def route(sizes, device_type, fused, dtype=None):
@@ -44,6 +42,32 @@ def route(sizes, device_type, fused, dtype=None):
     big = [i for i, n in enumerate(sizes) if n >= limit]
     small = [i for i, n in enumerate(sizes) if n < limit]
     return big, small
+
+
+# On CPU a multi-tensor call runs on one engine thread: calls of at most this many elements
+# let the engine spread a group over its threads. Measured (4M parameters, N equal tensors,
+# lbsgd / MXNet SGD default): fp32 N=1000 0.66 at 2**16 vs 1.02 at 2**14; fp16 with master
+# copies (mp kernels) N=1000 1.05 at 2**14 vs 1.22 at 2**16.
+CPU_ELEMENTS_PER_KERNEL = {'float16': 1 << 14, None: 1 << 16}
+
+
+def _spans(tensors):
+    """(start, end) index ranges of at most 60 tensors (and, on CPU, of at most
+    CPU_ELEMENTS_PER_KERNEL elements unless one tensor alone is larger)."""
+    limit = None
+    if tensors[0].context.device_type == 'cpu':
+        limit = CPU_ELEMENTS_PER_KERNEL.get(np.dtype(tensors[0].dtype).name,
+                                            CPU_ELEMENTS_PER_KERNEL[None])
+    spans, start, total = [], 0, 0
+    for i, t in enumerate(tensors):
+        size = t.size
+        if i > start and (i - start == MAX_TENSORS_PER_KERNEL
+                          or (limit is not None and total + size > limit)):
+            spans.append((start, i))
+            start, total = i, 0
+        total += size
+    spans.append((start, len(tensors)))
+    return spans
 
 
 def _chunks(seq, size=MAX_TENSORS_PER_KERNEL):
@@ -203,8 +227,7 @@ def _multi_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, mom
     targets = masters if cast_down else weights
     with_mom = moms[0] is not None
     wd_vector = None if lr_vector is None else device_vector(wds, weights[0].context)
-    for start in range(0, len(weights), MAX_TENSORS_PER_KERNEL):
-        end = min(start + MAX_TENSORS_PER_KERNEL, len(weights))
+    for start, end in _spans(weights):
         part = slice(start, end)
         columns = [targets[part], grads[part]]
         if with_mom:
