@@ -137,15 +137,11 @@ def accumulate(*, accs, grads, first, factor, scratch):
         nd.sgd_update(acc, grad, out=acc, lr=-1.0, wd=0.0, rescale_grad=factor)
 
 
-def write_mean(*, grads, accs, first, factor, mean_factor, scratch):
-    """grads[i] = mean_factor * (accs[i] + factor * grads[i]) in the gradient's dtype
-    (accs[i] is ignored when `first`): the accumulated window written back into the
-    gradient buffers, ready to be communicated once."""
+def write_mean(*, grads, accs, factor, mean_factor, scratch):
+    """grads[i] = mean_factor * (accs[i] + factor * grads[i]) in the gradient's dtype: the
+    accumulated window written back into the gradient buffers, ready to be communicated
+    once."""
     for acc, grad in zip(accs, grads):
-        if first:
-            if factor * mean_factor != 1.0:
-                nd._internal._mul_scalar(grad, scalar=factor * mean_factor, out=grad)
-            continue
         if acc.dtype == grad.dtype:
             # one pass: sgd_update gives (1 - lr*wd) * grad - lr * acc, which with
             # lr = -m and wd = (m*factor - 1)/m is m * (acc + factor * grad)
@@ -267,13 +263,11 @@ def finite_flag(arrays, fused):
     plan = _FINITE_PLANS.get(key)
     if plan is None or any(a is not b for a, b in zip(plan[0], arrays)):
         sparse = any(a.stype != 'default' for a in arrays)
-        plan = (list(arrays), _finite_plan(arrays, fused), sparse)
-        if not sparse:
+        plan = (list(arrays), _finite_plan(arrays, fused))
+        if not sparse:                        # (sparse: stored rows change every step)
             _FINITE_PLANS[key] = plan
             if len(_FINITE_PLANS) > 64:       # bound the cache (changing gradient sets)
                 _FINITE_PLANS.pop(next(iter(_FINITE_PLANS)))
-    elif plan[2]:                             # stored rows change every step
-        plan = (arrays, _finite_plan(arrays, fused), True)
     flags = []
     for ctx, calls in plan[1]:
         flag = nd.empty((1,), ctx=ctx, dtype=np.float32)

@@ -56,7 +56,7 @@ class _Window:
                                 scratch=opt._scratch)
             opt.window_position, opt.window_phase = position, 'partial'
             return None
-        _kernels.write_mean(grads=grads, accs=accs, first=False, factor=factor,
+        _kernels.write_mean(grads=grads, accs=accs, factor=factor,
                             mean_factor=1.0 / (factor * opt.batch_scale), scratch=opt._scratch)
         opt.window_position, opt.window_phase = 0, 'final'
         return self.original()

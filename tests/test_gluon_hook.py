@@ -184,3 +184,24 @@ def test_finite_check_beyond_the_first_chunk(fused):
     assert _kernels.finite_flag(arrays, fused).asscalar() == 1
     arrays[431][1] = np.inf
     assert _kernels.finite_flag(arrays, fused).asscalar() == 0
+
+
+def test_finite_flag_edge_cases():
+    """No arrays; two contexts; big (per-tensor) and small (multi) arrays mixed; more
+    gradient sets than the plan cache holds."""
+    from mx_lbsgd import _kernels
+    assert _kernels.finite_flag([], None).asscalar() == 1
+    big = mx.nd.ones((1 << 16,))
+    small = [mx.nd.ones((5,), ctx=mx.cpu(k % 2)) for k in range(4)]
+    assert _kernels.finite_flag([big] + small, None).asscalar() == 1
+    small[3][2] = np.nan                       # on the second context
+    assert _kernels.finite_flag([big] + small, None).asscalar() == 0
+    small[3][2] = 0
+    big[7] = -np.inf
+    assert _kernels.finite_flag([big] + small, None).asscalar() == 0
+    sets = [[mx.nd.ones((3,)) * (i % 3 - 1) / (i % 3 - 1 or np.inf)] for i in range(80)]
+    flags = [_kernels.finite_flag(s, None).asscalar() for s in sets]
+    assert flags == [1.0 if i % 3 != 1 else 1.0 for i in range(80)]
+    assert len(_kernels._FINITE_PLANS) <= 65
+    sets[5][0][0] = np.inf
+    assert _kernels.finite_flag(sets[5], None).asscalar() == 0
