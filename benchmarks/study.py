@@ -313,9 +313,9 @@ def main(argv=None, prog='study.py'):
     if args.tiny:
         args.seeds, args.epochs, args.dataset = 1, 2, 'digits'
         args.grid, args.lars_grid = args.grid[:2], args.lars_grid[:2]
+        args.batch_sizes = args.batch_sizes or [64, 128]
     if args.grid_extend is None:
         args.grid_extend = 0 if args.tiny else 2
-        args.batch_sizes = args.batch_sizes or [64, 128]
     if args.jobs is None:
         args.jobs = 1 if args.tiny else min(2, os.cpu_count() or 1)
     n_train = len(_train.load_data(val_fraction=VAL_FRACTION, dataset=args.dataset)[0])
