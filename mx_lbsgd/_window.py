@@ -38,6 +38,7 @@ class _Window:
     def __init__(self, trainer, original):
         self.trainer = trainer
         self.original = original
+        self._accs = {}        # id(state) -> (state, accumulator): split once per state
 
     def __call__(self):
         trainer, opt = self.trainer, self.trainer.optimizer
@@ -61,11 +62,10 @@ class _Window:
         opt.window_position, opt.window_phase = 0, 'final'
         return self.original()
 
-    @staticmethod
-    def _buffers(trainer, opt):
+    def _buffers(self, trainer, opt):
         """The fresh gradients and their accumulators (created in the Updater's states when
         the Updater has not created them yet), device by device."""
-        grads, accs = [], []
+        grads, accs, used, missed = [], [], {}, False
         updaters = _compat.trainer_updaters(trainer)
         for i, param in enumerate(_compat.trainer_params(trainer)):
             if param.grad_req == 'null':
@@ -75,6 +75,13 @@ class _Window:
                     continue
                 weight, grad = _compat.legacy(weight), _compat.legacy(grad)
                 state = _compat.updater_state(updater, i, weight)
+                cached = self._accs.get(id(state))
+                if cached is None or cached[0] is not state:
+                    cached = (state, opt.split_state(weight, state)[2])
+                    missed = True
+                used[id(state)] = cached
                 grads.append(grad)
-                accs.append(opt.split_state(weight, state)[2])
+                accs.append(cached[1])
+        if missed:                   # states were created or replaced (load_states)
+            self._accs = used
         return grads, accs

@@ -1,5 +1,5 @@
 """`LBSGD`: large-batch SGD with warmup, LARS, gradient accumulation and fp32 master weights."""
-import uuid
+import os
 import warnings
 
 import numpy as np
@@ -532,7 +532,6 @@ class _Ledger:
 
 def _fused_from_env(fused):
     """`fused`, or $MX_LBSGD_FUSED ('0' or '1') when fused is None."""
-    import os
     env = os.environ.get('MX_LBSGD_FUSED', '')
     if fused is not None or not env:
         return fused
