@@ -4,6 +4,7 @@ Each function says why the public API does not suffice. All were checked against
 1.9.1 (the version ``setup.py`` pins); none is used by the pure layers (``schedules``,
 ``loss_scale``) or by ``_kernels``.
 """
+import os
 import sys
 
 import mxnet as mx
@@ -129,19 +130,41 @@ def creating_module_updates_on_kvstore():
     Why: Module decides ``update_on_kvstore`` before it creates the optimizer and never
     tells it; a local kvstore then calls the optimizer inside a ctypes callback, where an
     exception is printed and ignored. The only signal is ``init_optimizer``'s local
-    variables, read from the call stack (the one use of frame inspection in the package).
+    variables, read from the call stack (the one place that inspects frames).
     """
+    local = _init_optimizer_locals()
+    return local is not None and bool(local['update_on_kvstore']) and \
+        local.get('kvstore') is not None
+
+
+def module_sparse_gradients_on_dist_kvstore():
+    """Inside ``Module.init_optimizer`` with a dist kvstore: its type and the names of the
+    parameters with dense weights and row_sparse gradients (``sym.Embedding(sparse_grad=
+    True)``), which MXNet 1.9.1's server aborts on. Same call-stack read as above: Module hands the kvstore
+    the optimizer (``set_optimizer`` pickles it) with nothing else to go by."""
+    local = _init_optimizer_locals()
+    kv = local.get('kvstore') if local is not None else None
+    if not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:
+        return None, []
+    group = local['self']._exec_group
+    return kv.type, [name for name, ws, gs in zip(group.param_names, group.param_arrays,
+                                                  group.grad_arrays)
+                     if gs and gs[0] is not None and gs[0].stype == 'row_sparse'
+                     and ws[0].stype == 'default']
+
+
+def _init_optimizer_locals():
     frame = sys._getframe(1)
-    for _ in range(10):
+    for _ in range(12):
         frame = frame.f_back
         if frame is None:
-            return False
+            return None
         local = frame.f_locals
         if (frame.f_code.co_name == 'init_optimizer'
                 and isinstance(local.get('self'), mx.module.BaseModule)
                 and 'update_on_kvstore' in local):
-            return bool(local['update_on_kvstore']) and local.get('kvstore') is not None
-    return False
+            return local
+    return None
 
 
 def patch_operator_invoke(hook):
@@ -220,9 +243,30 @@ def exit_when_server_command_fails(server):
     return server
 
 
+def on_kvstore_server():
+    """Whether this process is a ps-lite server of a dist kvstore, where MXNet's server loop
+    (``kvstore_dist_server.h``) calls the optimizer with buffers it owns. ``DMLC_ROLE`` is
+    what MXNet itself reads to decide that."""
+    return os.environ.get('DMLC_ROLE') == 'server'
+
+
 def grad_stype(param):
     """A gluon Parameter's gradient storage type (Parameter has no public accessor)."""
     return getattr(param, '_grad_stype', 'default')
+
+
+def trainer_kvstore_type(trainer):
+    """The type of the kvstore a Trainer was asked for ('dist_sync', 'device', ...; None for
+    none), before ``Trainer.step`` creates it: ``_kvstore_params`` holds the argument."""
+    kv = trainer._kvstore_params.get('kvstore')
+    return kv.type if isinstance(kv, mx.kvstore.KVStore) else kv if isinstance(kv, str) else None
+
+
+def dense_weights_with_sparse_gradients(trainer):
+    """Names of the Trainer's parameters with default-storage weights and row_sparse
+    gradients (``Embedding(sparse_grad=True)``); Parameter has no public ``stype``."""
+    return [p.name for p in trainer_params(trainer)
+            if grad_stype(p) != 'default' and getattr(p, '_stype', 'default') == 'default']
 
 
 def has_sparse_gradients(trainer):

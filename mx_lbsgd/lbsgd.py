@@ -204,6 +204,9 @@ class LBSGD(mx.optimizer.Optimizer):
         trainer = _compat.trainer_of(self.param_dict)
         if trainer is None or not _compat.trainer_is_built(trainer):
             return
+        if id(trainer) != self.__dict__.get('_checked_trainer'):
+            _refuse_dist_sparse_gradients(trainer, type(self).__name__)
+            self._checked_trainer = id(trainer)
         if self.loss_scaler is not None:
             self._refuse_kvstore_updates(trainer)
             self._gate.new_step(_compat.fresh_gradients(self.param_dict))
@@ -439,6 +442,12 @@ class LBSGD(mx.optimizer.Optimizer):
                 if not all(k % B for k in steps):
                     raise RuntimeError('parameters of one call are at different positions '
                                        'of the accumulation window: %s' % (steps,))
+                if _compat.on_kvstore_server():
+                    # the server reuses the gradient buffer it passed once the weight it
+                    # holds is ready, which this call did not write: without the wait, 1
+                    # job in 3 to 5 (SparseEmbedding, batch_scale=2) read a reused buffer
+                    for acc in plan['accs']:
+                        acc.wait_to_read()
                 return
             grad = [acc.tostype('row_sparse')      # lazy over the window's rows (a dense
                     if j in sparse and grad[j].stype == 'row_sparse'   # buffer when there
@@ -500,7 +509,7 @@ class LBSGD(mx.optimizer.Optimizer):
         # param_dict is not pickled; keep its names (LARS exclusions on kvstore servers)
         state['idx2name'] = dict(self.idx2name)
         state['idx2name'].update((i, p.name) for i, p in self.param_dict.items())
-        for transient in ('_scratch', '_plans', '_gate'):   # rebuilt by __setstate__
+        for transient in ('_scratch', '_plans', '_gate', '_checked_trainer'):
             state.pop(transient, None)
         state['window_phase'] = None     # set afresh by the Trainer glue at every step
         return state
@@ -519,7 +528,31 @@ class LBSGD(mx.optimizer.Optimizer):
         # servers of a dist kvstore, which then update key by key.
         if protocol == 0 and self.loss_scaler is not None:
             raise ValueError(_scaling.KVSTORE_REFUSAL % type(self).__name__)
+        if protocol == 0:
+            kind, names = _compat.module_sparse_gradients_on_dist_kvstore()
+            _refuse_sparse_gradients_on_servers(names, kind, type(self).__name__)
         return super().__reduce_ex__(protocol)
+
+
+def _refuse_dist_sparse_gradients(trainer, name):
+    """Gluon: checked at the first step of each Trainer, before its kvstore exists."""
+    kind = _compat.trainer_kvstore_type(trainer)
+    if kind and kind.startswith('dist'):
+        _refuse_sparse_gradients_on_servers(
+            _compat.dense_weights_with_sparse_gradients(trainer), kind, name)
+
+
+def _refuse_sparse_gradients_on_servers(names, kind, name):
+    """Dense weights with row_sparse gradients on a dist kvstore: MXNet 1.9.1 pushes the
+    sparse gradients into keys initialized dense, and the server aborts ("copying size
+    mismatch"; with mx.optimizer.SGD too). Refuse before anything is sent."""
+    if names:
+        raise ValueError(
+            '%s: parameter(s) %s have dense weights and row_sparse gradients '
+            "(Embedding(sparse_grad=True)), which MXNet 1.9.1's %r kvstore cannot reduce (its "
+            'server aborts, with mx.optimizer.SGD too). Use gluon.contrib.nn.SparseEmbedding '
+            "(row_sparse weights, updated on the servers), sparse_grad=False, or a 'local' or "
+            "'device' kvstore" % (name, ', '.join(map(repr, names)), kind))
 
 
 class _Ledger:

@@ -7,7 +7,8 @@ A config names the API ('gluon' or 'module'), kvstore ('horovod': horovod's
 DistributedTrainer / DistributedOptimizer, started by horovodrun), update_on_kvstore,
 optimizer and its parameters, steps, the per-worker batch, contexts per worker, `inject`
 ({step: rank}: that rank writes `inject_value` (inf) into one gradient after backward),
-`compression` ('fp16', horovod) and `resume` ({'at': step, 'per_rank': bool}: save states
+`compression` ('fp16', horovod), `mults` ({'lr'|'wd': {name: mult}}: set on the
+Parameters in Gluon, through `set_lr_mult`/`set_wd_mult` on Module's optimizer) and `resume` ({'at': step, 'per_rank': bool}: save states
 and weights there, rank 0 only unless per_rank, rebuild everything and load them on every
 rank). Worker r of n trains on samples [s*n*b + r*b, s*n*b + (r+1)*b) at step s, so n
 workers of batch b see what one process of batch n*b sees. Each worker saves its weights,
@@ -82,8 +83,18 @@ def _gluon_trainer(cfg, net, kv, num_workers):
     return trainer, cfg['batch'] * num_workers
 
 
+def _set_param_mults(cfg, net):
+    """Gluon: `mults` ({'lr': {name: m}, 'wd': {name: m}}) on the Parameters."""
+    for p in net.collect_params().values():
+        short = p.name.split('_', 1)[1]
+        for kind in ('lr', 'wd'):
+            if short in cfg.get('mults', {}).get(kind, {}):
+                setattr(p, kind + '_mult', cfg['mults'][kind][short])
+
+
 def _gluon(cfg, kv, rank, num_workers, contexts):
     net = mlp()
+    _set_param_mults(cfg, net)
     if len(contexts) > 1:
         net.collect_params().reset_ctx(contexts)
     trainer, step_batch = _gluon_trainer(cfg, net, kv, num_workers)
@@ -132,6 +143,7 @@ def _resume(cfg, net, trainer, kv, rank, num_workers, contexts):
         mx_lbsgd.checkpoint.save_states(trainer, os.path.join(folder, 'trainer%d.states' % tag))
     _barrier(cfg, kv)
     net = mlp()
+    _set_param_mults(cfg, net)
     net.load_parameters(os.path.join(folder, 'net%d.params' % tag), ctx=contexts)
     trainer, _ = _gluon_trainer(cfg, net, kv, num_workers)
     mx_lbsgd.checkpoint.load_states(trainer, os.path.join(folder, 'trainer%d.states' % tag))
@@ -173,6 +185,9 @@ def _module(cfg, kv, rank, num_workers, contexts):
     else:
         mod.init_optimizer(kvstore=kv, optimizer=cfg['optimizer'],
                            optimizer_params=_optimizer_params(cfg))
+    if cfg.get('mults'):      # by name, through horovod's wrapper where there is one
+        mod._optimizer.set_lr_mult(cfg['mults'].get('lr', {}))
+        mod._optimizer.set_wd_mult(cfg['mults'].get('wd', {}))
     record, comm = [], []
     for step in range(cfg['steps']):
         x, y = _shard(step, rank, num_workers, batch)

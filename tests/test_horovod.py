@@ -80,6 +80,35 @@ def test_two_workers_equal_one_process(tmp_path, cfg, comm):
         assert record[:, 1].sum() == len(cfg['inject'])      # skipped on every worker
 
 
+MULTS = [
+    pytest.param(hvd('module', 'lbsgd', dict(warmup_strategy='lars', **WARMUP), names=True,
+                     mults={'lr': {'fc1_bias': 0.0, 'fc2_weight': 0.5},
+                            'wd': {'fc1_weight': 20.0, 'fc2_bias': 1.0}}),
+                 'fc1_bias', id='module-distopt-lars'),
+    pytest.param(hvd('gluon', 'lbsgd', dict(warmup_strategy='linear', batch_scale=2, **WARMUP),
+                     steps=6, mults={'lr': {'dense0_bias': 0.0, 'dense1_weight': 0.5},
+                                     'wd': {'dense0_weight': 20.0}}),
+                 'dense0_bias', id='gluon-trainer-linear-B2'),
+]
+
+
+@pytest.mark.parametrize('cfg, frozen', MULTS)
+def test_lr_and_wd_mults_reach_the_wrapped_optimizer(tmp_path, cfg, frozen):
+    """lr_mult / wd_mult set through horovod's wrappers act as in one process; lr_mult 0
+    freezes a parameter (biases start at 0 and stay there)."""
+    code, log = run_job(cfg, tmp_path)
+    assert code == 0, log
+    weights, record, _ = results(tmp_path)
+    ref_weights, ref_record, _ = reference(cfg, 2)
+    plain_weights, _, _ = reference(dict(cfg, mults={}), 2)
+    assert_same(weights, record, ref_weights, ref_record, rtol=1e-3, atol=1e-4)
+    np.testing.assert_array_equal(weights[frozen], 0)
+    assert np.abs(plain_weights[frozen]).max() > 1e-3       # it would have moved
+    for name in ref_weights:                                  # every mult changed something
+        if name != frozen and name in str(cfg['mults']):
+            assert np.abs(weights[name] - plain_weights[name]).max() > 1e-5, name
+
+
 def test_module_lars_without_names_is_refused(tmp_path):
     """horovod's DistributedOptimizer keeps the names Module gives it to itself: LARS
     cannot know the excluded layers, and says what to pass instead of scaling biases."""

@@ -1,6 +1,10 @@
 """Sparse gradients and storage fallback: MXNet 1.9.1's own SGD test grid with LBSGD in
 place of SGD, row_sparse gradients against mx.optimizer.SGD and a numpy lazy reference."""
+import io
 import itertools
+import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +13,8 @@ from mxnet import autograd, gluon, nd
 from mxnet.test_utils import compare_optimizer
 
 import mx_lbsgd
+import sparse_dist_worker
+from mx_lbsgd.launch import launch
 from sgd_reference import NumpySGD, lazy_sgd_rows
 from reference import lars_factor
 
@@ -97,12 +103,27 @@ ARGS = dict(learning_rate=0.1, wd=0.01, rescale_grad=0.5)
 @pytest.mark.parametrize('dtype, mp', [('float32', False), ('float16', True)])
 def test_row_sparse_gradients_equal_mxnet_sgd(momentum, lazy, dtype, mp):
     if dtype == 'float16' and lazy:
-        pytest.skip("MXNet's SGD falls back to a dense update here (see the lazy test below)")
+        pytest.skip("MXNet's SGD falls back to a dense update here: "
+                    "test_fp16_mp_lazy_mxnet_result_is_lazy_update_false")
     w, grads = sparse_steps()
     args = dict(ARGS, momentum=momentum, lazy_update=lazy, multi_precision=mp)
     ours, _ = run_updater(mx_lbsgd.LBSGD(**args), w, grads, dtype)
     theirs, _ = run_updater(mx.optimizer.SGD(**args), w, grads, dtype)
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('momentum', [0.0, 0.9])
+def test_fp16_mp_lazy_mxnet_result_is_lazy_update_false(momentum):
+    """MXNet's SGD has no sparse mp kernel: with fp16 weights, multi_precision and
+    lazy_update=True it updates every row. Ours stays lazy there (rows only); the dense
+    result MXNet gives is ours with lazy_update=False, and differs from our lazy one."""
+    w, grads = sparse_steps()
+    args = dict(ARGS, momentum=momentum, multi_precision=True)
+    theirs, _ = run_updater(mx.optimizer.SGD(lazy_update=True, **args), w, grads, 'float16')
+    dense, _ = run_updater(mx_lbsgd.LBSGD(lazy_update=False, **args), w, grads, 'float16')
+    lazy, _ = run_updater(mx_lbsgd.LBSGD(lazy_update=True, **args), w, grads, 'float16')
+    np.testing.assert_allclose(dense, theirs, rtol=1e-6, atol=1e-6)
+    assert np.abs(lazy - theirs).max() > 1e-4
 
 
 @pytest.mark.parametrize('dtype, mp', [('float32', False), ('float16', True)])
@@ -257,3 +278,83 @@ def test_sparse_embedding_on_two_devices_equals_mxnet_sgd(kvstore, B):
     if B == 1:
         theirs = embedding_two_devices('sgd', params, kvstore)
         np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-6, atol=1e-7)
+
+
+# -- dist_sync: row_sparse weights (SparseEmbedding) update on the servers -----------------
+
+SPARSE_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                             'sparse_dist_worker.py')
+DIST_SPARSE = [
+    pytest.param('sgd', {}, id='mxnet-sgd'),
+    pytest.param('lbsgd', {}, id='lbsgd'),
+    pytest.param('lbsgd', dict(lazy_update=False), id='lbsgd-standard'),
+    pytest.param('lbsgd', dict(warmup_strategy='power2', batch_scale=2, warmup_epochs=1,
+                               updates_per_epoch=2), id='lbsgd-power2-B2'),
+    pytest.param('lbsgd', dict(warmup_strategy='lars', lars_eta=0.1), id='lbsgd-lars'),
+]
+
+
+def run_sparse_job(cfg, tmp_path):
+    out = io.StringIO()
+    code = launch([sys.executable, SPARSE_WORKER, json.dumps(cfg), str(tmp_path)], 2, 1,
+                  timeout=60, stream=out, env={'PYTHONPATH': os.pathsep.join(filter(None, [
+                      os.path.dirname(os.path.dirname(SPARSE_WORKER)),
+                      os.environ.get('PYTHONPATH')]))})
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize('optimizer, params', DIST_SPARSE)
+def test_sparse_embedding_dist_sync_equals_one_process(tmp_path, optimizer, params):
+    """2 workers + 1 server, SparseEmbedding: the optimizer runs on the server (MXNet's
+    Trainer requires it for row_sparse weights); the table equals one process with the
+    global batch, only looked-up rows move when lazy, and lbsgd at B=1 equals SGD."""
+    cfg = dict(optimizer=optimizer, params=params, kvstore='dist_sync')
+    code, log = run_sparse_job(cfg, tmp_path)
+    assert code == 0, log
+    ranks = [np.load(str(tmp_path / ('rank%d.npy' % r))) for r in range(2)]
+    np.testing.assert_array_equal(ranks[0], ranks[1])
+    before, ref = sparse_dist_worker.train(dict(cfg, kvstore='local'), 'local')
+    np.testing.assert_allclose(ranks[0], ref, rtol=1e-5, atol=1e-6)
+    moved = np.abs(ranks[0] - before).sum(axis=1) > 0
+    if params.get('lazy_update', True):
+        assert moved[:20].all() and not moved[20:].any()
+    else:
+        assert moved.all()                        # weight decay reaches every row
+    if optimizer == 'lbsgd' and params in ({}, dict(lazy_update=False)):
+        _, theirs = sparse_dist_worker.train(dict(cfg, optimizer='sgd', kvstore='local'),
+                                             'local')
+        np.testing.assert_allclose(ranks[0], theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_dense_weights_with_sparse_gradients_on_dist_kvstore_are_refused():
+    """Embedding(sparse_grad=True) on dist_sync aborts MXNet's server (SGD too): refused at
+    the first step, before the kvstore exists, naming what to use."""
+    mx.random.seed(0)
+    net = gluon.nn.Sequential()
+    net.add(gluon.nn.Embedding(10, 4, sparse_grad=True), gluon.nn.Dense(1, in_units=4))
+    net.initialize()
+    trainer = gluon.Trainer(net.collect_params(), 'lbsgd', dict(learning_rate=0.1),
+                            kvstore='dist_sync')
+    with autograd.record():
+        loss = net(nd.array([1, 2])).sum()
+    loss.backward()
+    before = [p.data().asnumpy() for p in net.collect_params().values()]
+    with pytest.raises(ValueError, match=r"embedding\d+_weight.*'dist_sync'.*SparseEmbedding"):
+        trainer.step(2)
+    assert trainer._kvstore is None and not trainer._kv_initialized
+    for b, p in zip(before, net.collect_params().values()):
+        np.testing.assert_array_equal(b, p.data().asnumpy())
+
+
+@pytest.mark.parametrize('api', ['gluon', 'module'])
+def test_dense_weights_with_sparse_gradients_refused_in_a_dist_job(tmp_path, api):
+    """The same refusal in a real 2-worker job, for Gluon and for Module (raised while
+    init_optimizer sends the optimizer to the servers); MXNet's own SGD aborts the server
+    there instead (kept as a check that the refusal is still needed)."""
+    cfg = dict(optimizer='lbsgd', params={}, kvstore='dist_sync', dense=True, api=api)
+    code, log = run_sparse_job(cfg, tmp_path)
+    assert code == 3, log
+    assert "'dist_sync' kvstore cannot reduce" in log and 'SparseEmbedding' in log
+    assert 'emb' in log.split('parameter(s)')[1].split('have')[0]
+    code, log = run_sparse_job(dict(cfg, optimizer='sgd'), tmp_path)
+    assert code != 0 and 'copying size mismatch' in log, log
