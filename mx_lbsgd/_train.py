@@ -665,6 +665,18 @@ def _run_one(cfg):
     return result
 
 
+def _exit_with_parent(parent):
+    """Pool worker initializer: exit once the parent is gone (a SIGTERM to `mx-lbsgd study`
+    would otherwise leave its workers training on, reparented, for as long as the run)."""
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def run_many(configs, jobs=1, on_result=None):
     """Results of train(cfg) for each config, in order. jobs > 1 runs them in that many
     spawned processes with OMP_NUM_THREADS=1 (MXNet's OpenMP threads spin and crawl when
@@ -682,7 +694,9 @@ def run_many(configs, jobs=1, on_result=None):
     saved = os.environ.get('OMP_NUM_THREADS')
     os.environ['OMP_NUM_THREADS'] = '1'
     try:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context('spawn')) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context('spawn'),
+                                 initializer=_exit_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_run_one, cfg): i for i, cfg in enumerate(configs)}
             for future in as_completed(futures):
                 i = futures[future]

@@ -232,8 +232,9 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, old_handler)
+    drained = time.monotonic() + 2          # the output threads end with their pipes
     for thread in threads:
-        thread.join(timeout=2)
+        thread.join(timeout=max(0.0, drained - time.monotonic()))
     summary = _summary(procs, states)
     if said:          # the launcher stepped in: say how every process ended
         say('exit status: ' + ', '.join(

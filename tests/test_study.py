@@ -99,3 +99,29 @@ def test_study_extends_the_grid_past_its_best_end(tmp_path):
     assert data['summary'][0]['grid_val_acc'] == [[r['g'], r['final_val_acc']] for r in
                                                   sorted(data['grid_runs'],
                                                          key=lambda r: r['g'])]
+
+
+def test_pool_workers_exit_when_the_study_is_killed():
+    """run_many's spawned workers watch their parent: a SIGKILLed study leaves none behind
+    (before, its workers trained on, reparented)."""
+    import time
+    code = (
+        'import multiprocessing, os, signal, time\n'
+        'from concurrent.futures import ProcessPoolExecutor\n'
+        'from mx_lbsgd._train import _exit_with_parent\n'
+        'if __name__ == "__main__":\n'
+        '    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),\n'
+        '                               initializer=_exit_with_parent,\n'
+        '                               initargs=(os.getpid(),))\n'
+        '    print(pool.submit(os.getpid).result(), flush=True)\n'
+        '    pool.submit(time.sleep, 120)\n'
+        '    os.kill(os.getpid(), signal.SIGKILL)\n')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True,
+                          timeout=120, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == -9
+    worker = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while os.path.exists('/proc/%d' % worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists('/proc/%d' % worker)
