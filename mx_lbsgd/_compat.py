@@ -140,8 +140,8 @@ def creating_module_updates_on_kvstore():
 def module_sparse_gradients_on_dist_kvstore():
     """Inside ``Module.init_optimizer`` with a dist kvstore: its type and the names of the
     parameters with dense weights and row_sparse gradients (``sym.Embedding(sparse_grad=
-    True)``), which MXNet 1.9.1's server aborts on. Same call-stack read as above: Module hands the kvstore
-    the optimizer (``set_optimizer`` pickles it) with nothing else to go by."""
+    True)``), which MXNet 1.9.1's server aborts on. Same call-stack read as above: Module
+    hands the kvstore the optimizer (``set_optimizer`` pickles it) and nothing else."""
     local = _init_optimizer_locals()
     kv = local.get('kvstore') if local is not None else None
     if not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:

@@ -8,12 +8,12 @@ DistributedTrainer / DistributedOptimizer, started by horovodrun), update_on_kvs
 optimizer and its parameters, steps, the per-worker batch, contexts per worker, `inject`
 ({step: rank}: that rank writes `inject_value` (inf) into one gradient after backward),
 `compression` ('fp16', horovod), `mults` ({'lr'|'wd': {name: mult}}: set on the
-Parameters in Gluon, through `set_lr_mult`/`set_wd_mult` on Module's optimizer) and `resume` ({'at': step, 'per_rank': bool}: save states
-and weights there, rank 0 only unless per_rank, rebuild everything and load them on every
-rank). Worker r of n trains on samples [s*n*b + r*b, s*n*b + (r+1)*b) at step s, so n
-workers of batch b see what one process of batch n*b sees. Each worker saves its weights,
-loss scales and skip flags, and the gradient reductions (pushpull / allreduce calls) of
-every step.
+Parameters in Gluon, through `set_lr_mult`/`set_wd_mult` on Module's optimizer) and
+`resume` ({'at': step, 'per_rank': bool}: save states and weights there, rank 0 only
+unless per_rank, rebuild everything and load them on every rank). Worker r of n trains on
+samples [s*n*b + r*b, s*n*b + (r+1)*b) at step s, so n workers of batch b see what one
+process of batch n*b sees. Each worker saves its weights, loss scales and skip flags, and
+the gradient reductions (pushpull / allreduce calls) of every step.
 """
 import copy
 import json
