@@ -72,8 +72,7 @@ server.run()
 """
 
 
-class _Stop(Exception):
-    """Raised in the main thread by the SIGTERM handler."""
+_SIGNAL_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 def _check_port(port):
@@ -192,11 +191,14 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
 
     procs, threads, states = [], [], {}
     said = []
+    # SIGINT/SIGTERM only set a flag that _wait polls: an exception raised at an arbitrary
+    # point could leave a lock held (Popen.poll's waitpid lock), and the teardown would then
+    # wait on it forever
+    caught = []
     on_main = threading.current_thread() is threading.main_thread()
     if on_main:
-        def on_sigterm(signum, frame):
-            raise _Stop()
-        old_handler = signal.signal(signal.SIGTERM, on_sigterm)
+        old_handlers = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                        for sig in _SIGNAL_STATUS}
     try:
         try:
             for label, role, rank, argv in jobs:
@@ -214,13 +216,10 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
                 threads.append(thread)
             if on_start is not None:
                 on_start({label: proc.pid for label, proc in procs})
-            status = _wait(procs, timeout, say, states)
-        except KeyboardInterrupt:
+            status = _wait(procs, timeout, say, states, caught)
+        except KeyboardInterrupt:          # not on the main thread: Python's own handler
             say('interrupted; stopping all processes')
             status = 130
-        except _Stop:
-            say('got SIGTERM; stopping all processes')
-            status = 143
         except FileNotFoundError as err:
             say(f'cannot start {err.filename!r}: {err.strerror}')
             status = 127
@@ -231,7 +230,8 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
             _teardown(procs)
     finally:
         if on_main:
-            signal.signal(signal.SIGTERM, old_handler)
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
     drained = time.monotonic() + 2          # the output threads end with their pipes
     for thread in threads:
         thread.join(timeout=max(0.0, drained - time.monotonic()))
@@ -244,7 +244,7 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
     return status
 
 
-def _wait(procs, timeout, say, states):
+def _wait(procs, timeout, say, states, caught=()):
     """Poll until the workers are done, something fails or the time is up; returns status.
 
     ``states`` maps each label to a note on how the launcher ended that process (filled in
@@ -255,6 +255,10 @@ def _wait(procs, timeout, say, states):
     scheduler = procs[0][1]
     done_at = barrier_at = None
     while True:
+        if caught:
+            say('interrupted; stopping all processes' if caught[0] == signal.SIGINT
+                else 'got SIGTERM; stopping all processes')
+            return _SIGNAL_STATUS[caught[0]]
         for label, proc in procs:
             code = proc.poll()
             if code and label not in states:

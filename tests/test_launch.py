@@ -255,9 +255,18 @@ def test_signal_to_launcher(signum, status, tag):
             except queue.Empty:
                 pass
         proc.send_signal(signum)
-        # teardown takes at most 3 s of grace and 2 s of output draining; the rest is
-        # process exit, slow on a loaded 2-core machine (15 s was once too little in CI)
-        assert proc.wait(timeout=40) == status, ''.join(out)
+        # teardown takes at most 3 s of grace and 2 s of output draining
+        try:
+            code = proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            time.sleep(0.5)
+            while not lines.empty():
+                out.append(lines.get())
+            with open('/proc/%d/status' % proc.pid) as f:
+                masks = [l.strip() for l in f if l.startswith(('SigIgn', 'SigCgt', 'State'))]
+            pytest.fail('launcher still running 40 s after signal %d; %s; its output:\n%s'
+                        % (signum, masks, ''.join(out)))
+        assert code == status, ''.join(out)
     finally:
         if proc.poll() is None:
             proc.kill()
