@@ -228,7 +228,6 @@ def exit_when_server_command_fails(server):
     takes its controller from the private ``_controller()`` factory, the one place to wrap
     it. Checked on MXNet 1.9.1 (``mxnet/kvstore/kvstore_server.py``).
     """
-    import os
     import traceback
     control = server._controller()
 

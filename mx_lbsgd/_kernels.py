@@ -312,15 +312,6 @@ def scale_in_place(arrays, factor):
 
 
 # -- sparse and non-default storage (row_sparse gradients, csr/row_sparse weights) -------
-def _sparse_kwargs(momentum, rescale_grad, clip_gradient):
-    kwargs = {'rescale_grad': rescale_grad}
-    if momentum > 0:
-        kwargs['momentum'] = momentum
-    if clip_gradient:
-        kwargs['clip_gradient'] = clip_gradient
-    return kwargs
-
-
 def _sparse_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad,
                 clip_gradient, lazy_update):
     """One tensor at a time with MXNet's sgd_update / sgd_mom_update and `lazy_update`,
@@ -330,7 +321,7 @@ def _sparse_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_gr
     the (row_sparse) gradient is cast to fp32 and the master copy is updated, lazily too,
     then cast into the weight (MXNet's mp_sgd_* kernels have no sparse path and fall back
     to a dense update)."""
-    kwargs = _sparse_kwargs(momentum, rescale_grad, clip_gradient)
+    kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
     for w, g, m, w32, lr, wd in zip(weights, grads, moms, masters, lrs, wds):
         target = w if w32 is None else w32
         if w32 is not None and g.dtype != w32.dtype:

@@ -39,12 +39,14 @@ class _Window:
         self.trainer = trainer
         self.original = original
         self._accs = {}        # id(state) -> (state, accumulator): split once per state
+        self._sparse = None    # whether any gradient is sparse (fixed per Trainer)
 
     def __call__(self):
         trainer, opt = self.trainer, self.trainer.optimizer
+        if self._sparse is None:
+            self._sparse = _compat.has_sparse_gradients(trainer)
         if (getattr(trainer, '_mx_lbsgd_no_window', False) or getattr(opt, 'batch_scale', 1) < 2
-                or _compat.trainer_updates_on_kvstore(trainer)
-                or _compat.has_sparse_gradients(trainer)):
+                or _compat.trainer_updates_on_kvstore(trainer) or self._sparse):
             # sparse gradients: MXNet's Trainer pushes and pulls them separately, row by
             # row; they are accumulated after that reduction, by the optimizer
             opt.window_phase = None          # the kvstore's updater accumulates

@@ -398,11 +398,10 @@ class LBSGD(mx.optimizer.Optimizer):
         parts = [self.split_state(w, s) for w, s in zip(weight, state)]
         sparse = [j for j, (w, g) in enumerate(zip(weight, grad))
                   if w.stype != 'default' or g.stype != 'default']
-        dense = set(range(len(weight))) - set(sparse)
+        dense = [j for j in range(len(weight)) if j not in sparse]
         groups = {}
-        for j, w in enumerate(weight):
-            if j in dense:
-                groups.setdefault((w.dtype, parts[j][1] is None), []).append(j)
+        for j in dense:
+            groups.setdefault((weight[j].dtype, parts[j][1] is None), []).append(j)
         routes = []
         for members in groups.values():
             single, multi = _kernels.route([weight[j].size for j in members],
@@ -414,6 +413,7 @@ class LBSGD(mx.optimizer.Optimizer):
         plan = {'state': list(state), 'moms': [p[0] for p in parts],
                 'masters': [p[1] for p in parts], 'accs': [p[2] for p in parts],
                 'routes': [(fn, pos) for fn, pos in routes if pos], 'sparse': sparse,
+                'dense': dense,
                 'keep_lr': [not self._lars_applies(i) for i in index] if lars else None}
         self._plans[key] = plan
         return plan
@@ -429,10 +429,9 @@ class LBSGD(mx.optimizer.Optimizer):
                 _kernels.accumulate_sparse(acc=plan['accs'][j], grad=grad[j],
                                            first=steps[j] % B == 1,
                                            factor=self.rescale_grad * unscale)
-            sparse = set(plan['sparse'])
+            sparse = plan['sparse']
             for first in (True, False):
-                pick = [j for j, k in enumerate(steps)
-                        if (k % B == 1) == first and j not in sparse]
+                pick = [j for j in plan['dense'] if (steps[j] % B == 1) == first]
                 if pick:
                     _kernels.accumulate(accs=[plan['accs'][j] for j in pick],
                                         grads=[grad[j] for j in pick], first=first,

@@ -232,13 +232,20 @@ def test_schedule_plot_and_mxnet_columns(tmp_path, capsys):
     assert png.read_bytes()[:4] == b'\x89PNG'
 
 
-def test_bench_runs_the_benchmark_script(monkeypatch, capsys):
+@pytest.fixture
+def script_calls(monkeypatch):
+    """The script path and arguments `mx-lbsgd bench` would run (nothing runs)."""
     seen = {}
 
     def fake_run(path, argv):
         seen.update(path=path, argv=argv)
         return 0
     monkeypatch.setattr('mx_lbsgd.cli._run_script', fake_run)
+    return seen
+
+
+def test_bench_runs_the_benchmark_script(script_calls, capsys):
+    seen = script_calls
     assert main(['bench', '--rounds', '1', '--dtypes', 'float32']) == 0
     assert seen['path'] == os.path.join(ROOT, 'benchmarks', 'bench_step.py')
     assert seen['argv'] == ['--rounds', '1', '--dtypes', 'float32']
@@ -246,13 +253,8 @@ def test_bench_runs_the_benchmark_script(monkeypatch, capsys):
     assert seen['path'].endswith('bench_loss_scale.py') and seen['argv'] == ['--quick']
 
 
-def test_bench_shapes_runs_the_shapes_script(monkeypatch, capsys):
-    seen = {}
-
-    def fake_run(path, argv):
-        seen.update(path=path, argv=argv)
-        return 0
-    monkeypatch.setattr('mx_lbsgd.cli._run_script', fake_run)
+def test_bench_shapes_runs_the_shapes_script(script_calls, capsys):
+    seen = script_calls
     assert main(['bench', '--shapes', '--quick', '--only', 'sweep']) == 0
     assert seen['path'] == os.path.join(ROOT, 'benchmarks', 'bench_shapes.py')
     assert os.path.isfile(seen['path'])
