@@ -44,7 +44,7 @@ import mxnet as mx
 from mxnet import gluon
 
 import mx_lbsgd
-from mx_lbsgd._syncs import count_host_syncs
+from mx_lbsgd.counting import count_host_syncs
 import bench_step
 
 SCALE = 2.0 ** 16          # initial scale of DynamicLossScaler and of amp's LossScaler

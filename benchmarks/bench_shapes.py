@@ -43,7 +43,7 @@ from mxnet import gluon
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mx_lbsgd                                                          # noqa: E402
-from mx_lbsgd._syncs import count_host_syncs, count_kernel_launches     # noqa: E402
+from mx_lbsgd.counting import count_host_syncs, count_kernel_launches     # noqa: E402
 import bench_step                                                        # noqa: E402
 
 SECTIONS = ('sweep', 'resnet', 'loss-scale')

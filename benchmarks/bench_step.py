@@ -20,7 +20,7 @@ import numpy as np
 import mxnet as mx
 
 import mx_lbsgd
-from mx_lbsgd._syncs import count_host_syncs, count_kernel_launches
+from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
 
 def resnet50_shapes():
     net = mx.gluon.model_zoo.vision.resnet50_v1()

@@ -8,9 +8,9 @@ import warnings
 
 import mxnet as mx
 
-from . import _window, checkpoint, lbsgd as _lbsgd
+from . import _window, checkpoint, counting, lbsgd as _lbsgd
 from ._graph_scale import scale_gradient
-from .gluon import LossScaling, init_kvstore
+from .gluon import LossScaling, bind, init_kvstore
 from .lbsgd import LBSGD
 from .lssgd import LossScaledSGD
 from .loss_scale import DynamicLossScaler, LossScaleStuckError
@@ -19,7 +19,7 @@ from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 
 __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
            'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling',
-           'LossScaledSGD', 'scale_gradient', 'checkpoint', 'init_kvstore']
+           'LossScaledSGD', 'scale_gradient', 'checkpoint', 'init_kvstore', 'bind', 'counting']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.

@@ -140,6 +140,15 @@ class LossScaling:
         return applied
 
 
+def bind(trainer, window=True):
+    """Bind `trainer` to mx_lbsgd's step protocol now (it is bound at its first step
+    otherwise). window=False reduces every micro-batch (the optimizer then accumulates
+    the reduced gradients) instead of once per update."""
+    if not window:
+        _window.disable(trainer)
+    return trainer
+
+
 def init_kvstore(trainer, batch_size):
     """Create the Trainer's kvstore and broadcast the initial weights now, waiting for it.
 

@@ -310,6 +310,29 @@ class LBSGD(mx.optimizer.Optimizer):
         self._skipped_updates = int(progress['skipped_updates'])
         self.window_position = int(progress.get('window_position', 0))
 
+    # -- public progress -----------------------------------------------------------------
+    @property
+    def micro_batches(self):
+        """Micro-batches counted so far (a skipped window is not counted): the warmup
+        position, without ``begin_epoch * updates_per_epoch``."""
+        counts = self._index_update_count.values()
+        return max(counts, default=self.begin_num_update) - self.begin_num_update
+
+    @property
+    def applied_updates(self):
+        """Updates that changed the weights: ``micro_batches // batch_scale``."""
+        return self.micro_batches // self.batch_scale
+
+    def lr_multiplier(self, position=None):
+        """The warmup learning-rate multiplier at micro-batch `position` (default: the last
+        one counted, `micro_batches`); LARS's per-layer trust ratio multiplies it."""
+        position = self.micro_batches if position is None else position
+        if self.warmup_strategy == 'lars':
+            return 1.0
+        return warmup_multiplier(self.init_updates + position,
+                                 self.warmup_epochs * self.updates_per_epoch,
+                                 self.batch_scale, self.warmup_strategy)
+
     # -- update ------------------------------------------------------------------------
     def _name(self, index):
         if index in self.param_dict:

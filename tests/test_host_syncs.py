@@ -3,7 +3,7 @@ import mxnet as mx
 import pytest
 
 import mx_lbsgd
-from mx_lbsgd._syncs import count_host_syncs
+from mx_lbsgd.counting import count_host_syncs
 from harness import NAMES, make_problem
 
 def run_steps(opt, dtype, steps):

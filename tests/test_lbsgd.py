@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mx_lbsgd
-from mx_lbsgd._syncs import count_host_syncs
+from mx_lbsgd.counting import count_host_syncs
 from harness import NAMES, SHAPES, make_problem, run_optimizer
 from reference import LBSGDReference
 

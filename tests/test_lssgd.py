@@ -9,7 +9,7 @@ from mxnet import autograd, gluon, nd
 
 import mx_lbsgd
 from mx_lbsgd import DynamicLossScaler
-from mx_lbsgd._syncs import count_host_syncs
+from mx_lbsgd.counting import count_host_syncs
 
 CTX2 = [mx.cpu(0), mx.cpu(1)]
 
