@@ -22,5 +22,5 @@ setup(
         # the tests run the demos end to end
         'test': ['pytest>=7', 'coverage>=5'] + DEMO_REQUIRES,
     },
-    entry_points={'console_scripts': ['mx-lbsgd = mx_lbsgd.cli:main']},
+    entry_points={'console_scripts': ['mx-lbsgd = mx_lbsgd.demo.cli:main']},
 )

@@ -1,7 +1,7 @@
-"""``python -m mx_lbsgd``: the ``mx-lbsgd`` command (see :mod:`mx_lbsgd.cli`)."""
+"""``python -m mx_lbsgd``: the ``mx-lbsgd`` command (see :mod:`mx_lbsgd.demo.cli`)."""
 import sys
 
-from .cli import main
+from .demo.cli import main
 
 if __name__ == '__main__':
     sys.exit(main())

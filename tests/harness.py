@@ -3,6 +3,8 @@ import mxnet as mx
 import numpy as np
 
 import mx_lbsgd  # noqa: F401  (registers 'lbsgd')
+from mx_lbsgd.demo.data import load_digits
+from mx_lbsgd.demo.models import mlp as _demo_mlp
 
 SHAPES = [(7, 5), (5,), (3, 4, 2, 2), (1,), (11,), (4, 4)]
 NAMES = ['fc0_weight', 'fc0_bias', 'conv0_weight', 'bn0_gamma', 'bn0_beta', 'fc1_weight']
@@ -31,25 +33,15 @@ def run_optimizer(opt, weights, grads, dtype, ctx=mx.cpu(), read=True):
 
 
 def digits(test_fraction=0.25, seed=0):
-    """scikit-learn's bundled 8x8 digits: (x_train, y_train, x_test, y_test), x in [0, 1]."""
-    from sklearn.datasets import load_digits
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    y = data.target.astype(np.float32)
-    order = np.random.RandomState(seed).permutation(len(x))
-    n_test = int(len(x) * test_fraction)
-    test, train = order[:n_test], order[n_test:]
-    return x[train], y[train], x[test], y[test]
+    """scikit-learn's bundled 8x8 digits: (x_train, y_train, x_test, y_test), x in [0, 1]
+    (the demo's data, mx_lbsgd.demo.data.load_digits)."""
+    return load_digits(seed, test_fraction)
 
 
 def mlp(hidden=64, seed=0):
-    mx.random.seed(seed)
-    net = mx.gluon.nn.HybridSequential()
-    with net.name_scope():    # stable relative names: the Trainer orders parameters by name
-        net.add(mx.gluon.nn.Dense(hidden, activation='relu', in_units=64),
-                mx.gluon.nn.Dense(10, in_units=hidden))
-    net.initialize(mx.init.Xavier(), ctx=mx.cpu())
-    return net
+    """The demo's float32 MLP (mx_lbsgd.demo.models.mlp) with one hidden layer: 64 ->
+    hidden -> 10, parameters dense0_weight, dense0_bias, dense1_weight, dense1_bias."""
+    return _demo_mlp((hidden,), seed=seed)
 
 
 def accuracy(net, x, y):

@@ -1,6 +1,7 @@
-"""End to end tests of the ``mx-lbsgd`` command (mx_lbsgd.cli)."""
+"""End to end tests of the ``mx-lbsgd`` command (mx_lbsgd.demo.cli)."""
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import textwrap
 
 import pytest
 
-from mx_lbsgd.cli import main
+from mx_lbsgd.demo.cli import main
 from reference import warmup_multiplier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +69,7 @@ def test_train_writes_metrics_summary_and_plot(tmp_path, capsys):
 
 
 DEMO_SUMMARY_KEYS = {'effective_batch_size', 'batch_scale', 'warmup_strategy', 'dtype',
-                     'loss_scale', 'skipped_steps', 'test_accuracy', 'baseline'}
+                     'final_loss_scale', 'skipped_steps', 'updates', 'baseline'}
 
 
 def test_default_train_is_the_large_batch_demo_with_a_baseline(tmp_path, capsys):
@@ -86,9 +87,9 @@ def test_default_train_is_the_large_batch_demo_with_a_baseline(tmp_path, capsys)
     assert summary['args']['warmup_epochs'] == 5.0
     base = summary['baseline']
     assert (base['optimizer'], base['batch_size'], base['batch_scale'], base['dtype'],
-            base['loss_scale'], base['skipped_steps']) == ('sgd', 32, 1, 'float32', 1.0, 0)
+            base['final_loss_scale'], base['skipped_steps']) == ('sgd', 32, 1, 'float32', 1.0, 0)
     assert base['effective_batch_size'] == 32 and base['args']['epochs'] == 2
-    assert 0.8 < base['test_accuracy'] <= 1.0
+    assert 0.8 < base['final_test_acc'] <= 1.0
     # per-step lr: the warmup from 0.05 towards 0.05 * 8 (5 epochs; 2 trained)
     steps = _rows(out / 'steps.csv')
     assert len(steps) == 2 * 42
@@ -100,8 +101,9 @@ def test_default_train_is_the_large_batch_demo_with_a_baseline(tmp_path, capsys)
     # it rises at every step but after a skipped window (LBSGD uncounts its micro-batches)
     assert sum(b <= a for a, b in zip(lrs, lrs[1:])) <= skipped
     assert scales[0] == 2.0 ** 16 and summary['skipped_steps'] == skipped >= 1
-    assert summary['loss_scale'] == summary['final_loss_scale'] < 2.0 ** 16
-    assert summary['test_accuracy'] == summary['final_test_acc']
+    assert summary['final_loss_scale'] < 2.0 ** 16
+    for old in ('effective_batch', 'loss_scale', 'test_accuracy'):    # one name each
+        assert old not in summary and old not in base
     base_steps = _rows(out / 'baseline-steps.csv')
     assert len(base_steps) == 2 * 42
     assert {float(s['lr']) for s in base_steps} == {0.05}
@@ -122,7 +124,7 @@ def test_single_is_the_former_default_run(tmp_path):
     args = summary['args']
     assert (args['batch_scale'], args['dtype'], args['warmup_epochs'], args['loss_scale'],
             args['growth_interval']) == (1, 'float32', 1.0, 'none', 100)
-    assert summary['effective_batch_size'] == 32 and summary['loss_scale'] == 1.0
+    assert summary['effective_batch_size'] == 32 and summary['final_loss_scale'] == 1.0
     # --no-baseline keeps the new defaults; flags given explicitly win in both modes
     out = tmp_path / 'nobase'
     assert main(['train', '--no-baseline', '--epochs', '1', '--batch-scale', '4',
@@ -227,53 +229,95 @@ def test_schedule_plot_and_mxnet_columns(tmp_path, capsys):
                  '--plot', str(png)]) == 0
     header, rows = _table(capsys.readouterr().out.split('wrote')[0])
     assert header[4:] == ['mxnet:linear', 'mxnet:power2', 'mxnet:sqrt']
-    for row in rows:        # MXNet's own LBSGD multiplier agrees for W > 1
+    assert all(math.isnan(v) for v in rows[0][4:])     # MXNet never uses step 0
+    for row in rows[1:]:    # MXNet's own LBSGD multiplier, measured, agrees
         assert row[1:4] == pytest.approx(row[4:7])
     assert png.read_bytes()[:4] == b'\x89PNG'
 
 
 @pytest.fixture
-def script_calls(monkeypatch):
-    """The script path and arguments `mx-lbsgd bench` would run (nothing runs)."""
+def bench_calls(monkeypatch):
+    """The benchmark module and arguments `mx-lbsgd bench` would run (nothing runs)."""
     seen = {}
-
-    def fake_run(path, argv):
-        seen.update(path=path, argv=argv)
-        return 0
-    monkeypatch.setattr('mx_lbsgd.cli._run_script', fake_run)
+    for name in ('bench_step', 'bench_loss_scale', 'bench_shapes'):
+        monkeypatch.setattr('mx_lbsgd.demo.%s.main' % name,
+                            lambda argv, _name=name: seen.update(module=_name, argv=argv))
     return seen
 
 
-def test_bench_runs_the_benchmark_script(script_calls, capsys):
-    seen = script_calls
+def test_bench_runs_the_benchmark_module(bench_calls):
+    seen = bench_calls
     assert main(['bench', '--rounds', '1', '--dtypes', 'float32']) == 0
-    assert seen['path'] == os.path.join(ROOT, 'benchmarks', 'bench_step.py')
-    assert seen['argv'] == ['--rounds', '1', '--dtypes', 'float32']
+    assert seen == dict(module='bench_step', argv=['--rounds', '1', '--dtypes', 'float32'])
     assert main(['bench', '--loss-scale', '--quick']) == 0
-    assert seen['path'].endswith('bench_loss_scale.py') and seen['argv'] == ['--quick']
+    assert seen == dict(module='bench_loss_scale', argv=['--quick'])
 
 
-def test_bench_shapes_runs_the_shapes_script(script_calls, capsys):
-    seen = script_calls
+def test_bench_shapes_runs_the_shapes_module(bench_calls):
+    seen = bench_calls
     assert main(['bench', '--shapes', '--quick', '--only', 'sweep']) == 0
-    assert seen['path'] == os.path.join(ROOT, 'benchmarks', 'bench_shapes.py')
-    assert os.path.isfile(seen['path'])
-    assert seen['argv'] == ['--quick', '--only', 'sweep']
+    assert seen == dict(module='bench_shapes', argv=['--quick', '--only', 'sweep'])
     assert main(['bench', '--shapes', '--', '--help']) == 0
     assert seen['argv'] == ['--help']
-    assert main(['bench', '--shapes', '--loss-scale']) == 2      # one script at a time
-
-
-def test_bench_without_checkout_exits_2(monkeypatch, capsys):
-    monkeypatch.setattr('mx_lbsgd.cli._benchmarks_dir', lambda: None)
-    assert main(['bench']) == 2
-    _one_line_error(capsys.readouterr().err, 'mx-lbsgd bench: error:', 'bench_step.py')
+    assert main(['bench', '--shapes', '--loss-scale']) == 2      # one benchmark at a time
 
 
 def test_bench_script_argument_error_passes_through(capsys):
-    # bench_step.py's own argparse rejects this before any benchmarking starts
+    # bench_step's own argparse rejects this before any benchmarking starts
     assert main(['bench', '--dtypes', 'float64']) == 2
     assert 'float64' in capsys.readouterr().err
+
+
+# -- every command from the installed package, away from the source checkout --------------
+#: Runs ``python -m mx_lbsgd ARGV`` as the installed ``mx-lbsgd`` would, failing on any
+#: file opened or imported from the checkout's benchmarks/ folder.
+AWAY_FROM_CHECKOUT = textwrap.dedent('''
+    import os, runpy, sys
+    forbidden = os.path.join(sys.argv[1], 'benchmarks') + os.sep
+
+    def refuse(event, args):
+        if event == 'open' and isinstance(args[0], str) and \\
+                os.path.abspath(args[0]).startswith(forbidden):
+            raise RuntimeError('opened %s' % args[0])
+    sys.addaudithook(refuse)
+    sys.argv = ['mx-lbsgd'] + sys.argv[2:]
+    runpy.run_module('mx_lbsgd', run_name='__main__', alter_sys=True)
+''')
+
+INSTALLED_COMMANDS = [
+    pytest.param(['train', '--single', '--epochs', '1', '--hidden', '16', '--no-steps',
+                  '--quiet', '--out', 'run'], ['test accuracy', 'summary.json'], id='train'),
+    pytest.param(['schedule', '--warmup-steps', '8', '--batch-scale', '4', '--mxnet',
+                  '--plot', 'warmup.png'], ['mxnet:linear', 'wrote warmup.png'],
+                 id='schedule-mxnet-plot'),
+    pytest.param(['bench', '--rounds', '1', '--dtypes', 'float32', '--only',
+                  'mxnet SGD (per-tensor)', 'lbsgd linear'], ['| float32 | lbsgd linear |'],
+                 id='bench'),
+    pytest.param(['bench', '--loss-scale', '--quick', '--rounds', '1', '--warmup', '0',
+                  '--dtypes', 'float32'], ['| float32 | ours-hook |'], id='bench-loss-scale'),
+    pytest.param(['bench', '--shapes', '--quick', '--rounds', '1', '--only', 'loss-scale',
+                  '--plot', ''], ['Loss-scaled gluon.Trainer step'], id='bench-shapes'),
+    pytest.param(['study', '--tiny', '--methods', 'sgd', 'lbsgd-linear', '--batch-sizes',
+                  '128', '--quiet', '--out', 'study'], ['| lbsgd-linear |', 'study.json'],
+                 id='study'),
+    pytest.param(['launch', '-n', '1', '--timeout', '60', '--', sys.executable, '-c',
+                  'import os; print("role", os.environ["DMLC_ROLE"])'], ['role worker'],
+                 id='launch'),
+]
+
+
+@pytest.mark.parametrize('argv, words', INSTALLED_COMMANDS)
+def test_every_command_runs_from_the_installed_package(argv, words, tmp_path):
+    """Each command's quick form runs in a folder outside the checkout, with the checkout
+    off sys.path (only the installed mx_lbsgd), and never opens benchmarks/."""
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    proc = subprocess.run([sys.executable, '-c', AWAY_FROM_CHECKOUT, ROOT] + argv,
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for word in words:
+        assert word in proc.stdout, (word, proc.stdout)
+    assert 'opened ' not in proc.stderr
 
 
 def test_launch_delegates(monkeypatch):
@@ -296,7 +340,7 @@ def test_train_dist_sync_two_workers_rank0_writes(tmp_path):
     assert proc.stdout.count('] test accuracy') == 1
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['num_workers'] == 2 and summary['rank'] == 0
-    assert summary['effective_batch'] == 64
+    assert summary['effective_batch_size'] == 64
     assert summary['steps_per_epoch'] == (1348 // 2) // 32
     # same result as any other run: the initial weights are broadcast before the first
     # step (a race inside MXNet's lazy broadcast gave ~0.2 on a loaded machine)
@@ -320,7 +364,7 @@ def _block_modules(monkeypatch, names):
 def _no_training(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError('training started')
-    monkeypatch.setattr('mx_lbsgd._train.train', refuse)
+    monkeypatch.setattr('mx_lbsgd.demo.train.train', refuse)
 
 
 def _demo_error(err, prog, *missing):
@@ -382,8 +426,8 @@ def test_import_needs_no_demo_extra(tmp_path):
     code = textwrap.dedent('''
         import sys
         sys.modules.update(sklearn=None, matplotlib=None, tqdm=None)
-        import mx_lbsgd, mx_lbsgd.cli, mx_lbsgd._train
-        from mx_lbsgd.cli import main
+        import mx_lbsgd, mx_lbsgd.demo.cli, mx_lbsgd.demo.train, mx_lbsgd.demo.study
+        from mx_lbsgd.demo.cli import main
         assert main(['schedule', '--steps', '2']) == 0
         assert main(['train', '--help']) == 0
         for name in ('sklearn', 'matplotlib', 'tqdm'):
@@ -444,16 +488,17 @@ def test_train_writable_out_check_leaves_nothing(monkeypatch, tmp_path):
     def stop(cfg, **callbacks):
         seen.append(sorted(p.name for p in tmp_path.iterdir()))
         raise KeyboardInterrupt
-    monkeypatch.setattr('mx_lbsgd._train.train', stop)
+    monkeypatch.setattr('mx_lbsgd.demo.train.train', stop)
     assert main(['train', '--out', str(tmp_path / 'new' / 'run')]) == 130
     assert seen == [[]]
 
 
 # -- the warmup strategies come from mx_lbsgd.schedules --------------------------------------
 def test_warmup_strategy_choices_read_the_registry(monkeypatch, capsys):
-    from mx_lbsgd import cli, schedules
-    assert cli._SHAPES == tuple(schedules.WARMUP_SHAPES)
-    action = next(a for a in cli._train_parser()._actions
+    from mx_lbsgd import schedules
+    from mx_lbsgd.demo import schedule_command, train_command
+    assert schedule_command.SHAPES == tuple(schedules.WARMUP_SHAPES)
+    action = next(a for a in train_command._parser()._actions
                   if '--warmup-strategy' in a.option_strings)
     assert tuple(action.choices) == tuple(schedules.WARMUP_STRATEGIES)
     registry = {name: None for name in schedules.WARMUP_STRATEGIES}   # a mapping works too

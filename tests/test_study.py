@@ -1,4 +1,5 @@
-"""benchmarks/study.py: the tiny configuration runs end to end and writes its outputs."""
+"""mx-lbsgd study (mx_lbsgd.demo.study): the tiny configuration runs end to end and writes
+its outputs; benchmarks/study.py wraps it."""
 import json
 import os
 import subprocess
@@ -6,7 +7,7 @@ import sys
 
 import pytest
 
-from mx_lbsgd.cli import main
+from mx_lbsgd.demo.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ['sgd', 'sgd-warmup', 'lbsgd-linear', 'lbsgd-sqrt', 'lbsgd-power2', 'lbsgd-lars',
@@ -108,7 +109,7 @@ def test_pool_workers_exit_when_the_study_is_killed():
     code = (
         'import multiprocessing, os, signal, time\n'
         'from concurrent.futures import ProcessPoolExecutor\n'
-        'from mx_lbsgd._train import _exit_with_parent\n'
+        'from mx_lbsgd.demo.study import _exit_with_parent\n'
         'if __name__ == "__main__":\n'
         '    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),\n'
         '                               initializer=_exit_with_parent,\n'

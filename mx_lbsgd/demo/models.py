@@ -8,6 +8,8 @@ gradients are float16 and underflow exactly as they would on a GPU.
 import mxnet as mx
 from mxnet import gluon
 
+__all__ = ['mlp']
+
 
 class _Dense(gluon.HybridBlock):
     def __init__(self, units, in_units, activation=None, dtype='float32', init=None, **kwargs):
@@ -28,13 +30,14 @@ class _Dense(gluon.HybridBlock):
 
 
 def mlp(hidden=(64,), in_units=64, classes=10, dtype='float32', init=None, seed=0):
-    """An MLP whose parameters, activations and logits are `dtype`."""
+    """An MLP whose parameters, activations and logits are `dtype`. Its layers are named
+    as gluon.nn.Dense's would be (``dense0_weight``, ``dense0_bias``, ``dense1_weight``...)."""
     mx.random.seed(seed)
     net = gluon.nn.HybridSequential()
     sizes = [in_units] + list(hidden)
     with net.name_scope():
-        for a, b in zip(sizes[:-1], sizes[1:]):
-            net.add(_Dense(b, a, 'relu', dtype, init))
-        net.add(_Dense(classes, sizes[-1], None, dtype, init))
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            net.add(_Dense(b, a, 'relu', dtype, init, prefix='dense%d_' % i))
+        net.add(_Dense(classes, sizes[-1], None, dtype, init, prefix='dense%d_' % len(hidden)))
     net.initialize(init or mx.init.Xavier(), ctx=mx.cpu())
     return net

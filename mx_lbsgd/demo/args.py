@@ -1,0 +1,91 @@
+"""Argument parsing shared by the demo's commands: one-line errors (exit status 2), number
+types with bounds, the check for the ``demo`` extra, the writable-folder check."""
+import argparse
+import os
+import tempfile
+
+__all__ = ['Parser', 'UsageError', 'number', 'DEMO_MODULES', 'DEMO_INSTALL', 'demo_missing',
+           'demo_error', 'require_demo', 'require_writable_dir']
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: 'PROG: error: MESSAGE'."""
+
+    def error(self, message):
+        self.exit(2, '%s: error: %s (see %s --help)\n' % (self.prog, message, self.prog))
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing; the command prints it as one line, exit
+    status 2."""
+
+
+#: The ``demo`` extra: module imported -> distribution that provides it.
+DEMO_MODULES = {'sklearn.datasets': 'scikit-learn', 'matplotlib': 'matplotlib', 'tqdm': 'tqdm'}
+DEMO_INSTALL = "pip install 'mx_lbsgd[demo]'"
+
+
+def demo_missing(modules=tuple(DEMO_MODULES)):
+    """The distributions (of DEMO_MODULES) whose module in `modules` fails to import."""
+    missing = []
+    for name in modules:
+        try:
+            __import__(name)        # looked up at call time: honours a patched __import__
+        except ImportError:
+            missing.append(DEMO_MODULES[name])
+    return missing
+
+
+def demo_error(prog, missing, what='this command'):
+    """The one-line message for `what` of `prog`, which needs the (missing) demo extra."""
+    return ('%s: error: %s needs the demo extra (missing: %s): %s (in a source checkout: '
+            "pip install '.[demo]')" % (prog, what, ', '.join(missing), DEMO_INSTALL))
+
+
+def require_demo(prog, modules=tuple(DEMO_MODULES), what='this command'):
+    """UsageError (one line, exit status 2) if a module of the demo extra is missing."""
+    missing = demo_missing(modules)
+    if missing:
+        raise UsageError(demo_error(prog, missing, what))
+
+
+def require_writable_dir(prog, path):
+    """UsageError unless `path` is (or can be created as) a folder we can write into.
+
+    Probes by creating and removing a temporary folder in `path` or, if it does not exist
+    yet, in its nearest existing ancestor, so nothing is left behind. (os.access is no
+    test: root passes it for read-only permissions, and /proc refuses anyway.)"""
+    target = os.path.abspath(path)
+    probe = target
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        if os.path.isdir(probe):
+            os.rmdir(tempfile.mkdtemp(prefix='.mx-lbsgd-probe-', dir=probe))
+            return
+        reason = ('it exists and is not a folder' if probe == target
+                  else '%s is not a folder' % probe)
+    except OSError as err:
+        reason = 'cannot create a folder in %s (%s)' % (probe, err.strerror or err)
+    raise UsageError('%s: error: argument --out: %s is not writable: %s'
+                     % (prog, path, reason))
+
+
+def number(kind, low=None, high=None, open_low=False, open_high=False):
+    """An argparse type: `kind` (int or float) within the given bounds."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                'invalid %s %r' % ('integer' if kind is int else 'number', text)) from None
+        if value != value:
+            raise argparse.ArgumentTypeError('invalid number %r' % text)
+        if low is not None and (value <= low if open_low else value < low):
+            raise argparse.ArgumentTypeError('must be %s %g, got %s'
+                                             % ('>' if open_low else '>=', low, text))
+        if high is not None and (value >= high if open_high else value > high):
+            raise argparse.ArgumentTypeError('must be %s %g, got %s'
+                                             % ('<' if open_high else '<=', high, text))
+        return value
+    return parse

@@ -1,0 +1,125 @@
+"""The ``mx-lbsgd`` command: train, schedule, bench, study, launch.
+
+    mx-lbsgd train [--optimizer lbsgd] [--dtype float16] [--out DIR] ...
+    mx-lbsgd schedule --warmup-steps 100 --batch-scale 8 [--plot FILE.png]
+    mx-lbsgd bench [--loss-scale | --shapes] [ARGS of the benchmark ...]
+    mx-lbsgd study [--tiny] [--out DIR]
+    mx-lbsgd launch -n 2 -- python train.py
+
+``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (one line on
+stderr, ``mx-lbsgd CMD: error: ...``, never a traceback).
+
+``import mx_lbsgd.demo.cli`` needs only what ``mx_lbsgd`` needs (MXNet, NumPy):
+scikit-learn, tqdm and matplotlib (the ``demo`` extra) are imported where used. ``train``,
+``study`` and ``schedule --plot`` check for them after parsing their arguments and, when
+missing, print one line naming the install command and exit 2.
+"""
+import argparse
+import importlib
+import sys
+
+from .args import Parser, UsageError
+
+__all__ = ['main']
+
+_COMMANDS = (
+    ('train', 'train an MLP on the 8x8 digits; write metrics, summary and plots'),
+    ('schedule', 'print (and plot) the warmup learning-rate multiplier of each strategy'),
+    ('bench', 'optimizer step time against MXNet (--loss-scale, --shapes: the others)'),
+    ('study', 'accuracy vs batch size per method (mx_lbsgd.demo.study)'),
+    ('launch', 'run a local dist_sync job (mx_lbsgd.launch)'),
+)
+#: ``mx-lbsgd bench`` flag -> the module whose main(argv) it runs (default: bench_step).
+_BENCHMARKS = {'loss_scale': 'bench_loss_scale', 'shapes': 'bench_shapes'}
+
+
+def _cmd_train(argv):
+    from . import train_command
+    return train_command.main(argv)
+
+
+def _cmd_schedule(argv):
+    from . import schedule_command
+    return schedule_command.main(argv)
+
+
+def _cmd_bench(argv):
+    p = Parser(prog='mx-lbsgd bench', description=(
+        "Run the optimizer step benchmark (mx_lbsgd.demo.bench_step: step time on "
+        "ResNet-50's shapes against MXNet's optimizers); arguments it does not know go to "
+        'the benchmark, e.g. --rounds 4 --dtypes float32 --only "lbsgd linear" --json F. '
+        "'mx-lbsgd bench -- --help' shows the benchmark's own options."))
+    which = p.add_mutually_exclusive_group()
+    which.add_argument('--loss-scale', action='store_true',
+                       help='run mx_lbsgd.demo.bench_loss_scale instead (it has --quick)')
+    which.add_argument('--shapes', action='store_true',
+                       help='run mx_lbsgd.demo.bench_shapes instead: step time vs tensor '
+                            'count, ResNet-50 shapes and loss-scaled steps (it has --quick, '
+                            '--only SECTION and --plot F)')
+    args, rest = p.parse_known_args(argv)
+    if rest[:1] == ['--']:
+        rest = rest[1:]
+    name = next((module for flag, module in _BENCHMARKS.items() if getattr(args, flag)),
+                'bench_step')
+    importlib.import_module('.' + name, __package__).main(rest)
+    return 0
+
+
+def _cmd_study(argv):
+    from . import study
+    return study.main(argv, prog='mx-lbsgd study')
+
+
+def _cmd_launch(argv):
+    from mx_lbsgd import launch
+    return launch.main(argv)
+
+
+_HANDLERS = {'train': _cmd_train, 'schedule': _cmd_schedule, 'bench': _cmd_bench,
+             'study': _cmd_study, 'launch': _cmd_launch}
+
+
+def _top_parser():
+    from mx_lbsgd import __version__
+    p = Parser(prog='mx-lbsgd', description=(
+        'Large-batch SGD and dynamic loss scaling for MXNet 1.9.1: demos and tools.'),
+        epilog='Commands:\n' + '\n'.join('  %-9s %s' % c for c in _COMMANDS)
+        + "\n\nRun 'mx-lbsgd COMMAND --help' for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--version', action='version', version='mx_lbsgd %s' % __version__)
+    p.add_argument('command', choices=[c for c, _ in _COMMANDS], metavar='COMMAND',
+                   help='one of: %s' % ', '.join(c for c, _ in _COMMANDS))
+    return p
+
+
+def _exit_status(code):
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def main(argv=None):
+    """Run ``mx-lbsgd`` with `argv` (default sys.argv[1:]); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if not argv or argv[0].startswith('-'):
+            _top_parser().parse_args(argv)            # --help / --version / error
+            return 2
+        if argv[0] not in _HANDLERS:
+            _top_parser().parse_args(argv[:1])        # one-line 'invalid choice' error
+        return _HANDLERS[argv[0]](argv[1:])
+    except UsageError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except SystemExit as exit_:
+        return _exit_status(exit_.code)
+    except KeyboardInterrupt:
+        print('interrupted', file=sys.stderr)
+        return 130
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""What one training run of the digits demo depends on: :class:`TrainConfig`, the
+defaults of ``mx-lbsgd train``, and the checks that refuse a configuration.
+
+Conventions: ``batch_size`` is the micro-batch of one forward/backward pass (per worker
+with a dist kvstore); ``lbsgd`` and ``mxnet-lbsgd`` sum ``batch_scale`` micro-batches per
+update, so an update sees ``batch_size * batch_scale`` samples and the warmup takes the
+learning rate from ``lr`` to ``lr * batch_scale``.
+"""
+import dataclasses
+from typing import Optional, Tuple, Union
+
+from .data import DATASETS
+
+__all__ = ['OPTIMIZERS', 'WARMUP_OPTIMIZERS', 'DEFAULT_LR', 'DEFAULT_LARS_LR', 'DEMO_DEFAULTS',
+           'ConfigError', 'TrainConfig', 'check', 'baseline_config']
+
+OPTIMIZERS = ('lbsgd', 'lssgd', 'sgd', 'mxnet-lbsgd', 'lars')
+WARMUP_OPTIMIZERS = ('lbsgd', 'mxnet-lbsgd')     # the ones with warmup and batch_scale
+#: Learning rate used when none is given (measured on digits, batch 32, momentum 0.9).
+DEFAULT_LR = {'lbsgd': 0.05, 'lssgd': 0.05, 'sgd': 0.05, 'mxnet-lbsgd': 0.05, 'lars': 2.0}
+DEFAULT_LARS_LR = 2.0       # lbsgd with warmup_strategy='lars' (trust ratio eta = 0.001)
+#: What ``mx-lbsgd train`` changes in TrainConfig's defaults (the defaults of ``--single``)
+#: for its main run: an effective batch of 32 x 8 = 256 by accumulation, linear warmup
+#: over 5 epochs, float16 weights with fp32 master copies and dynamic loss scaling.
+#: batch_scale and warmup_epochs apply to lbsgd / mxnet-lbsgd only.
+DEMO_DEFAULTS = dict(batch_scale=8, epochs=30, warmup_epochs=5.0, dtype='float16',
+                     growth_interval=20)
+
+
+class ConfigError(ValueError):
+    """A configuration the optimizers or the trainer refuse (one-line message)."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything one run depends on (see the module docstring for the conventions)."""
+    optimizer: str = 'lbsgd'
+    warmup_strategy: str = 'linear'
+    warmup_epochs: float = 1.0
+    batch_size: int = 32
+    batch_scale: int = 1
+    epochs: int = 15
+    lr: Optional[float] = None                 # None: DEFAULT_LR / DEFAULT_LARS_LR
+    momentum: float = 0.9
+    wd: float = 1e-4
+    dtype: str = 'float32'
+    loss_scale: Union[str, float, None] = None  # None: 'dynamic' for float16, else 'none'
+    growth_interval: int = 100
+    kvstore: Optional[str] = None
+    seed: int = 0
+    hidden: Tuple[int, ...] = (64, 64)
+    target: float = 0.95
+    test_fraction: float = 0.25
+    record_steps: bool = True                  # steps history (one host read per step)
+    dataset: str = 'digits'                    # or 'digits-shifted' (see data.load_data)
+    val_fraction: float = 0.0                  # of the non-test images: validation split
+    lr_decay: Optional[str] = None             # None or 'cosine' (to 0 at the last step)
+    warmup_from: Optional[float] = None        # sgd/lssgd/lars: linear warmup from this lr
+    hybridize: bool = True                     # Gluon hybridize(static_alloc=True)
+
+    def resolved_lr(self):
+        if self.lr is not None:
+            return float(self.lr)
+        if self.optimizer == 'lbsgd' and self.warmup_strategy == 'lars':
+            return DEFAULT_LARS_LR
+        return DEFAULT_LR[self.optimizer]
+
+    def resolved_loss_scale(self):
+        """'none', 'dynamic' or a float."""
+        if self.loss_scale is None:
+            return 'dynamic' if self.dtype == 'float16' else 'none'
+        return self.loss_scale
+
+
+def check(cfg):
+    """ConfigError if `cfg` is refused before anything is built."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError('optimizer=%r is not supported; expected one of %r'
+                          % (cfg.optimizer, OPTIMIZERS))
+    if cfg.dtype not in ('float32', 'float16'):
+        raise ConfigError("dtype=%r is not supported; expected 'float32' or 'float16'"
+                          % (cfg.dtype,))
+    if cfg.dataset not in DATASETS:
+        raise ConfigError('dataset=%r is not supported; expected one of %r'
+                          % (cfg.dataset, DATASETS))
+    if cfg.batch_scale != 1 and cfg.optimizer not in WARMUP_OPTIMIZERS:
+        raise ConfigError('batch_scale=%d needs optimizer lbsgd or mxnet-lbsgd (got %s)'
+                          % (cfg.batch_scale, cfg.optimizer))
+    if cfg.warmup_from is not None and cfg.optimizer in WARMUP_OPTIMIZERS:
+        raise ConfigError('warmup_from is for optimizers without a warmup of their own, '
+                          'not %s' % cfg.optimizer)
+    if cfg.lr_decay not in (None, 'cosine'):
+        raise ConfigError("lr_decay=%r is not supported; expected None or 'cosine'"
+                          % (cfg.lr_decay,))
+
+
+def baseline_config(cfg):
+    """The baseline of the default run: `cfg`'s data, model, epochs and seed, trained the
+    plain way: mx SGD with momentum, one micro-batch per update (cfg.batch_size), float32,
+    no loss scaling, no warmup, the default lr."""
+    return dataclasses.replace(
+        cfg, optimizer='sgd', warmup_strategy='linear', batch_scale=1, lr=None,
+        dtype='float32', loss_scale=None, kvstore=None, warmup_from=None, lr_decay=None)

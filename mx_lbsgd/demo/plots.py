@@ -1,0 +1,148 @@
+"""The demo's figures: training.png (``mx-lbsgd train``), the warmup curves
+(``mx-lbsgd schedule --plot``) and study.png (``mx-lbsgd study``). matplotlib is imported
+when a figure is drawn."""
+import numpy as np
+
+__all__ = ['describe', 'plot_training', 'plot_schedule', 'plot_study']
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def describe(result):
+    """One line: optimizer, dtype, batch (micro x scale), warmup, loss scaling."""
+    cfg = result['config']
+    text = '%s %s, batch %d' % (cfg['optimizer'], cfg['dtype'], cfg['batch_size'])
+    if cfg['batch_scale'] > 1:
+        text += ' x %d = %d' % (cfg['batch_scale'], result['effective_batch_size'])
+    if result.get('warmup_strategy') == 'lars':
+        text += ', LARS'
+    elif result.get('warmup_strategy') and (cfg['batch_scale'] > 1
+                                            or cfg.get('warmup_from') is not None):
+        text += ', %s warmup %g ep' % (result['warmup_strategy'], cfg['warmup_epochs'])
+    if cfg['loss_scale'] != 'none':
+        text += ', loss scale %s' % cfg['loss_scale']
+    return text + ', lr %g' % cfg['lr']
+
+
+def _per_epoch(result):
+    """x of each step in epochs (step k of an epoch of n ends at epoch - 1 + k / n)."""
+    n = result['steps_per_epoch']
+    return [r['step'] / n for r in result['steps']]
+
+
+def plot_training(result, path, baseline=None):
+    """One PNG with four panels: test accuracy, learning rate, loss scale, train loss;
+    with `baseline`, both runs in the accuracy, learning rate and loss panels."""
+    plt = _pyplot()
+    runs = [(result, 'main: ' + describe(result), 'C0')]
+    if baseline is not None:
+        runs.append((baseline, 'baseline: ' + describe(baseline), 'C1'))
+    cfg = result['config']
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    ax = axes[0, 0]
+    for res, label, color in runs:
+        e = [r['epoch'] for r in res['epochs']]
+        ax.plot(e, [r['test_acc'] for r in res['epochs']], 'o-', ms=3, color=color,
+                label='%s (%.3f)' % (label.split(':')[0], res['final_test_acc']))
+    if baseline is None:
+        ax.plot(e, [r['train_acc'] for r in result['epochs']], '--', color='C2',
+                label='train')
+    ax.axhline(cfg['target'], color='gray', ls=':', label='target %.2f' % cfg['target'])
+    low = min(min(r['test_acc'] for r in res['epochs']) for res, _, _ in runs)
+    ax.set(title='test accuracy per epoch', xlabel='epoch', ylim=(max(0, min(low, 0.8)), 1.0))
+    ax.legend(loc='lower right', fontsize=8)
+    ax = axes[0, 1]
+    for res, label, color in runs:
+        if res['steps']:
+            ax.plot(_per_epoch(res), [r['lr'] for r in res['steps']], color=color,
+                    label=label.split(':')[0])
+        else:
+            ax.plot([r['epoch'] for r in res['epochs']], [r['lr'] for r in res['epochs']],
+                    'o-', color=color, label=label.split(':')[0])
+    if result['batch_scale'] > 1 and cfg['warmup_strategy'] != 'lars' and cfg['warmup_epochs']:
+        ax.axvline(cfg['warmup_epochs'], color='gray', ls=':', label='end of warmup')
+    ax.set(title='learning rate per update (scheduled)', xlabel='epoch', ylim=(0, None))
+    ax.legend(loc='lower right', fontsize=8)
+    ax = axes[1, 0]
+    st = result['steps']
+    if st:
+        x = _per_epoch(result)
+        ax.plot(x, [r['loss_scale'] for r in st], color='C0', label='loss scale (main)')
+        bad = [(xi, r['loss_scale']) for xi, r in zip(x, st) if r['skipped']]
+        if bad:
+            ax.plot(*zip(*bad), 'rx', ms=8, label='skipped step (%d)' % len(bad))
+    else:
+        ax.plot([r['epoch'] for r in result['epochs']],
+                [r['loss_scale'] for r in result['epochs']], 'o-', label='loss scale (main)')
+    ax.set_yscale('log', base=2)
+    title = 'loss scale (%s)' % cfg['loss_scale']
+    if 'final_underflow_fraction' in result:
+        title += ', fp16 gradient underflow %.2f%%' % (100 * result['final_underflow_fraction'])
+    ax.set(title=title, xlabel='epoch')
+    ax.legend(loc='best', fontsize=8)
+    ax = axes[1, 1]
+    for res, label, color in runs:
+        ax.plot([r['epoch'] for r in res['epochs']], [r['train_loss'] for r in res['epochs']],
+                'o-', ms=3, color=color, label=label.split(':')[0])
+    ax.set_yscale('log')
+    ax.set(title='train loss per epoch', xlabel='epoch')
+    ax.legend(loc='upper right', fontsize=8)
+    lines = ['%s: test acc %.3f' % (label, res['final_test_acc']) for res, label, _ in runs]
+    fig.suptitle('\n'.join(lines), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_schedule(header, rows, warmup_steps, batch_scale, path):
+    """The warmup multipliers of `rows` (schedule_table's, every step) into `path`: one
+    curve per column of `header` after the first, MXNet's own ('mxnet:...') dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = [r[0] for r in rows]
+    for j, name in enumerate(header[1:], start=1):
+        ax.plot(x, [r[j] for r in rows], ls='--' if name.startswith('mxnet:') else '-',
+                label=name)
+    ax.axvline(warmup_steps, color='gray', ls=':', label='end of warmup')
+    ax.set(xlabel='micro-batch (step)', ylabel='learning-rate multiplier',
+           title='LBSGD warmup, B = %g' % batch_scale)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_study(summary, batches, methods, path, target, reference, tolerance):
+    """study.png: final accuracy and epochs to target vs batch size, one line per method."""
+    plt = _pyplot()
+    cell = {(r['method'], r['batch']): r for r in summary}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for m in methods:
+        rows = [cell[(m, b)] for b in batches]
+        style = '--' if m.startswith('fp16') else ':' if m == 'lbsgd-lars' else '-'
+        left.errorbar(batches, [r['final_acc'] if r['final_acc'] is not None else np.nan
+                                for r in rows],
+                      yerr=[r['final_acc_std'] or 0 for r in rows], ls=style, marker='o',
+                      capsize=3, label=m)
+        right.plot(batches, [r['epochs_to_target'] if r['reached'] else np.nan
+                             for r in rows], ls=style, marker='o', label=m)
+    left.axhspan(reference - tolerance, reference, color='gray', alpha=0.15,
+                 label='within %g point of sgd@%d' % (100 * tolerance, batches[0]))
+    for ax in (left, right):
+        ax.set_xscale('log', base=2)
+        ax.set_xticks(batches)
+        ax.set_xticklabels([str(b) for b in batches])
+        ax.set_xlabel('batch size (samples per update)')
+    low = min([r['final_acc'] for r in summary if r['final_acc'] is not None] + [reference])
+    left.set(ylabel='final test accuracy', ylim=(max(0.0, min(low - 0.02, 0.9)), 1.0),
+             title='test accuracy at the validation-chosen lr')
+    right.set(ylabel='epochs', title='epochs to test accuracy %.2f' % target)
+    left.legend(loc='lower left', fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

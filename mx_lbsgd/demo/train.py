@@ -1,0 +1,347 @@
+"""The digits training loop behind ``mx-lbsgd train`` and ``mx-lbsgd study``.
+
+:func:`train` fits :func:`mx_lbsgd.demo.models.mlp` to the digits
+(:func:`mx_lbsgd.demo.data.load_data`) with a Gluon Trainer and returns the per-epoch and
+per-step history and the summary numbers (:mod:`mx_lbsgd.demo.summary` writes them). The
+loss is Gluon's per-sample loss, backward of its sum, ``trainer.step(samples)``. Each epoch
+drops the last partial batch. Conventions: :mod:`mx_lbsgd.demo.config`.
+"""
+import dataclasses
+import math
+import os
+import time
+
+import numpy as np
+
+from .config import WARMUP_OPTIMIZERS, ConfigError, check
+from .data import load_data
+
+__all__ = ['HOROVOD_INSTALL', 'build', 'probe_underflow', 'train']
+
+HOROVOD_INSTALL = 'bash scripts/install_horovod.sh'
+
+
+def _make_scaler(cfg):
+    """The DynamicLossScaler the run uses, or None for no loss scaling."""
+    import mx_lbsgd
+    mode = cfg.resolved_loss_scale()
+    if mode == 'none':
+        return None
+    if mode == 'dynamic':
+        return mx_lbsgd.DynamicLossScaler(growth_interval=cfg.growth_interval)
+    return mx_lbsgd.DynamicLossScaler.static(float(mode))
+
+
+def _make_optimizer(cfg, scaler, updates_per_epoch):
+    """(optimizer, whether the optimizer itself applies `scaler`)."""
+    import mxnet as mx
+    import mx_lbsgd
+    common = dict(learning_rate=cfg.resolved_lr(), momentum=cfg.momentum, wd=cfg.wd,
+                  multi_precision=cfg.dtype == 'float16')
+    sched = _scheduler(cfg, updates_per_epoch)
+    if sched is not None:
+        common['lr_scheduler'] = sched
+    warm = dict(warmup_strategy=cfg.warmup_strategy, warmup_epochs=cfg.warmup_epochs,
+                batch_scale=cfg.batch_scale, updates_per_epoch=updates_per_epoch,
+                num_epochs=cfg.epochs)
+    name = cfg.optimizer
+    if name == 'lbsgd':
+        return mx_lbsgd.LBSGD(loss_scaler=scaler, **warm, **common), True
+    if name == 'lssgd':
+        scaler = scaler or mx_lbsgd.DynamicLossScaler(enabled=False)
+        return mx_lbsgd.LossScaledSGD(loss_scaler=scaler, **common), True
+    if name == 'sgd':
+        return mx.optimizer.SGD(**common), False
+    if name == 'mxnet-lbsgd':
+        return mx_lbsgd.MXNET_LBSGD(**warm, **common), False
+    return mx.optimizer.LARS(eta=0.001, momentum_correction=False, **common), False
+
+
+def _scheduler(cfg, steps_per_epoch):
+    """The WarmupScheduler for cfg.lr_decay / cfg.warmup_from, or None. Its count is the
+    optimizer's num_update: micro-batches for lbsgd (whose own warmup multiplies it),
+    updates for the others (one per step, batch_scale being 1 there)."""
+    import mx_lbsgd
+    if cfg.lr_decay is None and cfg.warmup_from is None:
+        return None
+    warm = 0
+    if cfg.warmup_from is not None:
+        warm = int(round(cfg.warmup_epochs * steps_per_epoch))
+    total = max(cfg.epochs * steps_per_epoch, warm + 1)
+    return mx_lbsgd.WarmupScheduler(
+        base_lr=cfg.resolved_lr(), warmup_steps=warm, strategy='linear',
+        warmup_begin_lr=cfg.warmup_from if cfg.warmup_from is not None else 0.0,
+        decay=cfg.lr_decay, max_update=total if cfg.lr_decay else None)
+
+
+def _horovod():
+    """horovod.mxnet, initialised; ConfigError naming the install command if missing."""
+    try:
+        import horovod.mxnet as hvd
+    except ImportError as err:
+        raise ConfigError('kvstore=horovod needs horovod built with MXNet support (%s): %s'
+                          % (err, HOROVOD_INSTALL)) from None
+    hvd.init()
+    return hvd
+
+
+def build(cfg, net, updates_per_epoch, kvstore=None):
+    """(trainer, LossScaling hook or None, scaler or None) for `cfg`; ConfigError on refusal.
+
+    kvstore='horovod' gives horovod's DistributedTrainer (it averages over the workers, so
+    `step` takes the per-worker batch there)."""
+    import mxnet as mx
+    import mx_lbsgd
+    check(cfg)
+    try:
+        scaler = _make_scaler(cfg)
+        opt, builtin = _make_optimizer(cfg, scaler, updates_per_epoch)
+        if builtin:
+            scaler = opt.loss_scaler if opt.loss_scaler is not None else None
+            if scaler is not None and not scaler.enabled:
+                scaler = None
+        if kvstore == 'horovod':
+            hvd = _horovod()
+            hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+            trainer = hvd.DistributedTrainer(net.collect_params(), opt)
+        else:
+            trainer = mx.gluon.Trainer(net.collect_params(), opt, kvstore=kvstore,
+                                       update_on_kvstore=False if kvstore is not None else None)
+        if kvstore not in (None, 'horovod') and 'dist' in kvstore.type:
+            mx_lbsgd.init_kvstore(trainer, cfg.batch_size * kvstore.num_workers)
+        hook = None
+        if scaler is not None and not builtin:
+            hook = mx_lbsgd.LossScaling(trainer, scaler, force=True)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from err
+    return trainer, hook, scaler
+
+
+def _zero_fraction(params):
+    """Fraction of gradient entries that are exactly zero (one host read)."""
+    import mxnet as mx
+    grads = [p.grad() for p in params]
+    zeros = mx.nd.add_n(*[(g == 0).astype('float32').sum() for g in grads])
+    return float(zeros.asscalar()) / sum(g.size for g in grads)
+
+
+def probe_underflow(net, loss_fn, xb, yb, scale):
+    """Fraction of the gradient entries that are non-zero when the loss is scaled by the
+    largest power of two <= 2**24 that keeps them finite, but zero at loss scale `scale`.
+
+    Runs its own backward passes (the gradients are overwritten; call it between steps)."""
+    import mxnet as mx
+    params = [p for p in net.collect_params().values() if p.grad_req != 'null']
+
+    def grads(s):
+        with mx.autograd.record():
+            loss = loss_fn(net(xb).astype('float32'), yb) * s
+        loss.backward()
+        return [p.grad().asnumpy() for p in params]
+
+    at_scale = grads(scale)
+    ref_scale = 2.0 ** 24
+    while True:
+        ref = grads(ref_scale)
+        if all(np.isfinite(g).all() for g in ref) or ref_scale <= 1.0:
+            break
+        ref_scale /= 2.0
+    if ref_scale <= scale:
+        return 0.0
+    nonzero = sum(int((r != 0).sum()) for r in ref)
+    lost = sum(int(((a == 0) & (r != 0)).sum()) for a, r in zip(at_scale, ref))
+    return lost / nonzero if nonzero else 0.0
+
+
+def _shard(n, kvstore):
+    """Indices of this worker's shard of n samples: equal-sized, contiguous, by rank."""
+    if kvstore == 'horovod':
+        hvd = _horovod()
+        rank, workers = hvd.rank(), hvd.size()
+    elif kvstore is None or not hasattr(kvstore, 'num_workers'):
+        return np.arange(n), 0, 1
+    else:
+        rank, workers = kvstore.rank, kvstore.num_workers
+    size = n // workers
+    return np.arange(rank * size, (rank + 1) * size), rank, workers
+
+
+def _accuracy(net, x, y):
+    import mxnet as mx
+    pred = net(mx.nd.array(x)).astype('float32').argmax(axis=1).asnumpy()
+    return float(np.mean(pred == y))
+
+
+def train(cfg, on_start=None, on_step=None, on_epoch=None):
+    """Run `cfg`; returns a result dict (config, history, summary numbers).
+
+    Callbacks: on_start(dict(steps_per_epoch, epochs, rank, num_workers)) once the trainer
+    is built, on_step(dict) after every step (only step and epoch unless
+    cfg.record_steps), on_epoch(dict) after every epoch. ConfigError when the
+    configuration is refused before training starts."""
+    run = _Run(cfg)
+    if on_start is not None:
+        on_start(dict(steps_per_epoch=run.steps_per_epoch, epochs=cfg.epochs,
+                      rank=run.rank, num_workers=run.workers))
+    epochs, steps = [], []
+    start = time.perf_counter()
+    for epoch in range(1, cfg.epochs + 1):
+        row = run.epoch(epoch, steps, on_step)
+        row['seconds'] = time.perf_counter() - start
+        epochs.append(row)
+        if on_epoch is not None:
+            on_epoch(row)
+    return _result(cfg, epochs, steps, time.perf_counter() - start, run)
+
+
+class _Run:
+    """Data, model, trainer and counters of one training run."""
+
+    def __init__(self, cfg):
+        import mxnet as mx
+        import mx_lbsgd
+        from .models import mlp
+        check(cfg)
+        self.cfg = cfg
+        self.x, self.y, self.xv, self.yv, self.xt, self.yt = load_data(
+            cfg.seed, cfg.test_fraction, cfg.val_fraction, cfg.dataset)
+        if cfg.kvstore and 'dist' in cfg.kvstore and 'DMLC_ROLE' not in os.environ:
+            raise ConfigError('kvstore=%r needs a parameter-server job: run it under '
+                              '"mx-lbsgd launch -n WORKERS -- ..."' % cfg.kvstore)
+        kv = (cfg.kvstore if cfg.kvstore == 'horovod'
+              else mx.kv.create(cfg.kvstore) if cfg.kvstore else None)
+        self.shard, self.rank, self.workers = _shard(len(self.x), kv)
+        # horovod's DistributedTrainer averages over the workers itself
+        self.step_batch = cfg.batch_size * (1 if kv == 'horovod' else self.workers)
+        self.steps_per_epoch = len(self.shard) // cfg.batch_size
+        if self.steps_per_epoch < cfg.batch_scale or self.steps_per_epoch < 1:
+            raise ConfigError('batch_size * batch_scale = %d is larger than the %d training '
+                              'samples%s' % (cfg.batch_size * cfg.batch_scale, len(self.shard),
+                                             ' of this worker' if self.workers > 1 else ''))
+        self.net = mlp(tuple(cfg.hidden), dtype=cfg.dtype, seed=cfg.seed)
+        if cfg.hybridize:
+            self.net.hybridize(static_alloc=True)
+        self.trainer, self.hook, self.scaler = build(cfg, self.net, self.steps_per_epoch, kv)
+        self.opt = self.trainer.optimizer
+        self.ours = isinstance(self.opt, mx_lbsgd.LBSGD)      # LossScaledSGD is one too
+        self.params = [p for p in self.net.collect_params().values() if p.grad_req != 'null']
+        self.loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+        self.rng = np.random.RandomState(cfg.seed + 1)
+        probe = self.shard[:cfg.batch_size]
+        self.probe = mx.nd.array(self.x[probe]), mx.nd.array(self.y[probe])
+        self.skipped = self.step_count = 0
+
+    @property
+    def scale(self):
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def applied_micro_batches(self):
+        """Micro-batches the optimizer has counted (a skipped step or window is not):
+        LBSGD's warmup position; MXNet's num_update for the others."""
+        return self.opt.micro_batches if self.ours else self.opt.num_update
+
+    def applied_updates(self):
+        """Weight updates applied (micro-batches / batch_scale for the accumulating ones)."""
+        if self.ours:
+            return self.opt.applied_updates
+        return self.opt.num_update // (self.cfg.batch_scale
+                                       if self.cfg.optimizer in WARMUP_OPTIMIZERS else 1)
+
+    def lr(self):
+        """The scheduled learning rate after the micro-batches applied so far: the lr
+        scheduler's (or the base lr) times the warmup multiplier; for LARS the base lr,
+        which each layer's trust ratio multiplies."""
+        import mx_lbsgd
+        applied = self.applied_micro_batches()
+        sched = self.opt.lr_scheduler
+        lr = sched(max(applied, 1)) if sched is not None else self.cfg.resolved_lr()
+        if self.ours:
+            return lr * self.opt.lr_multiplier()
+        cfg = self.cfg
+        if cfg.optimizer == 'mxnet-lbsgd' and cfg.warmup_strategy != 'lars':
+            return lr * mx_lbsgd.warmup_multiplier(
+                applied, cfg.warmup_epochs * self.steps_per_epoch, cfg.batch_scale,
+                cfg.warmup_strategy)
+        return lr
+
+    def step(self, xb, yb):
+        """One forward/backward/update: (per-sample losses, logits, skipped, zero fraction)."""
+        import mxnet as mx
+        cfg, scale = self.cfg, self.scale
+        with mx.autograd.record():
+            out = self.net(xb).astype('float32')
+            loss = self.loss_fn(out, yb)
+            scaled = loss * scale if scale != 1.0 else loss
+        scaled.backward()
+        zero = _zero_fraction(self.params) if cfg.record_steps else None
+        before = self.scaler.total_skipped if self.scaler is not None else 0
+        if self.hook is not None:
+            if cfg.optimizer == 'lars':
+                self.hook.unscale()   # MXNet's LARS squares the (fp16) gradients as given
+            self.hook.step(self.step_batch)
+        else:
+            self.trainer.step(self.step_batch)
+        skipped = self.scaler.total_skipped - before if self.scaler is not None else 0
+        self.skipped += skipped
+        self.step_count += 1
+        return loss, out, skipped, zero
+
+    def epoch(self, epoch, steps, on_step):
+        """Train one epoch; appends to `steps` if recording; returns the epoch's row."""
+        import mxnet as mx
+        cfg, bs = self.cfg, self.cfg.batch_size
+        order = self.rng.permutation(self.shard)
+        loss_sum, correct = mx.nd.zeros((1,)), mx.nd.zeros((1,))
+        skipped_before = self.skipped
+        for i in range(self.steps_per_epoch):
+            idx = order[i * bs:(i + 1) * bs]
+            xb, yb = mx.nd.array(self.x[idx]), mx.nd.array(self.y[idx])
+            scale = self.scale
+            loss, out, skipped, zero = self.step(xb, yb)
+            loss_sum += loss.sum()
+            correct += (out.argmax(axis=1) == yb).sum()
+            row = dict(step=self.step_count, epoch=epoch)
+            if cfg.record_steps:
+                row.update(loss=float(loss.mean().asscalar()), lr=self.lr(), loss_scale=scale,
+                           skipped=int(skipped), zero_grad_fraction=zero)
+                steps.append(row)
+            if on_step is not None:
+                on_step(row)
+        seen = self.steps_per_epoch * bs
+        row = dict(epoch=epoch, train_loss=float(loss_sum.asscalar()) / seen,
+                   train_acc=float(correct.asscalar()) / seen,
+                   test_acc=_accuracy(self.net, self.xt, self.yt), lr=self.lr(),
+                   loss_scale=self.scale, skipped_steps=self.skipped - skipped_before)
+        if len(self.yv):
+            row['val_acc'] = _accuracy(self.net, self.xv, self.yv)
+        if cfg.dtype == 'float16':
+            row['underflow_fraction'] = probe_underflow(self.net, self.loss_fn, *self.probe,
+                                                        scale=self.scale)
+        return row
+
+
+def _result(cfg, epochs, steps, wall, run):
+    """The result dict: the summary.json keys (see mx_lbsgd.demo.summary) plus the history."""
+    accs = [r['test_acc'] for r in epochs]
+    best = int(np.nanargmax(accs)) if not all(math.isnan(a) for a in accs) else 0
+    reach = next((r['epoch'] for r in epochs if r['test_acc'] >= cfg.target), None)
+    config = dataclasses.asdict(cfg)
+    config.update(lr=cfg.resolved_lr(), loss_scale=cfg.resolved_loss_scale(),
+                  hidden=list(cfg.hidden))
+    out = dict(
+        config=config, epochs=epochs, steps=steps, optimizer=cfg.optimizer,
+        dtype=cfg.dtype, batch_size=cfg.batch_size, batch_scale=cfg.batch_scale,
+        effective_batch_size=cfg.batch_size * cfg.batch_scale * run.workers,
+        warmup_strategy=(cfg.warmup_strategy if cfg.optimizer in WARMUP_OPTIMIZERS
+                         else 'linear' if cfg.warmup_from is not None else None),
+        final_test_acc=accs[-1], best_test_acc=accs[best], best_epoch=best + 1,
+        target_acc=cfg.target, epochs_to_target=reach, wall_time_s=wall,
+        skipped_steps=run.skipped, total_steps=run.step_count, updates=run.applied_updates(),
+        steps_per_epoch=run.steps_per_epoch, final_loss_scale=epochs[-1]['loss_scale'],
+        train_samples=len(run.shard), test_samples=len(run.yt), rank=run.rank,
+        num_workers=run.workers)
+    if epochs and 'val_acc' in epochs[-1]:
+        out['final_val_acc'] = epochs[-1]['val_acc']
+    if epochs and 'underflow_fraction' in epochs[-1]:
+        out['final_underflow_fraction'] = epochs[-1]['underflow_fraction']
+    return out

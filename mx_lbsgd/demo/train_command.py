@@ -1,0 +1,243 @@
+"""``mx-lbsgd train``: train the digits MLP (main run and baseline), write metrics, summary
+and plots (see the command's --help)."""
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+from mx_lbsgd import schedules
+
+from . import config
+from .args import Parser, UsageError, number, require_demo, require_writable_dir
+
+__all__ = ['main']
+
+
+def _loss_scale(text):
+    if text in ('dynamic', 'none'):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            "expected 'dynamic', 'none' or a number > 0, got %r" % text) from None
+    if not 0 < value < float('inf'):
+        raise argparse.ArgumentTypeError('a static scale must be a finite number > 0, got %s'
+                                         % text)
+    return value
+
+
+def _hidden(text):
+    try:
+        sizes = tuple(int(s) for s in text.split(','))
+    except ValueError:
+        raise argparse.ArgumentTypeError('expected comma-separated integers, got %r'
+                                         % text) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError('layer sizes must be >= 1, got %r' % text)
+    return sizes
+
+
+def _parser():
+    demo = config.DEMO_DEFAULTS
+    p = Parser(prog='mx-lbsgd train', description=(
+        "Train an MLP on scikit-learn's bundled 8x8 digits with Gluon, twice: the main run "
+        '(default: lbsgd, micro-batches of 32 accumulated %d at a time into an effective '
+        'batch of %d, linear warmup over %g epochs, float16 weights with fp32 master '
+        'copies and dynamic loss scaling, %d epochs) and a baseline (sgd, batch 32, '
+        'float32, no warmup, no loss scaling, the same epochs and seed). Writes '
+        'metrics.csv (one row per epoch), steps.csv (one row per step, with the lr and '
+        'the loss scale), baseline-metrics.csv, baseline-steps.csv, summary.json and '
+        'training.png (both runs: test accuracy, learning rate, loss scale with the '
+        'skipped steps, train loss) to --out. --single trains one run with the former '
+        'defaults (batch 32 x 1, float32, 15 epochs, warmup 1 epoch), as before.'
+        % (demo['batch_scale'], 32 * demo['batch_scale'], demo['warmup_epochs'],
+           demo['epochs'])),
+        epilog=(
+        'Conventions: --batch-size is the micro-batch of one forward/backward (per worker '
+        'with dist_sync). lbsgd and mxnet-lbsgd sum --batch-scale micro-batches per update '
+        'and warm the learning rate up from --lr to --lr * --batch-scale over '
+        '--warmup-epochs; --batch-scale > 1 and --warmup-* are rejected for the other '
+        "optimizers. --warmup-strategy lars makes lbsgd use LARS trust ratios instead of a "
+        "warmup. float16: float16 parameters and activations, fp32 master weights "
+        '(multi_precision) and, by default, dynamic loss scaling: inside the optimizer for '
+        'lbsgd and lssgd (loss_scaler=...), through mx_lbsgd.LossScaling for sgd, lars and '
+        "mxnet-lbsgd. --loss-scale none shows the gradient underflow (summary.json: "
+        "final_underflow_fraction). Default --lr: %s; lbsgd with --warmup-strategy lars: %g."
+        % (', '.join('%s %g' % kv for kv in config.DEFAULT_LR.items()),
+           config.DEFAULT_LARS_LR)))
+    d = config.TrainConfig()
+    p.add_argument('--optimizer', choices=config.OPTIMIZERS, default=d.optimizer,
+                   help='lbsgd (mx_lbsgd.LBSGD, default), lssgd (mx_lbsgd.LossScaledSGD), '
+                        "sgd (mx SGD with momentum), mxnet-lbsgd (MXNet's own LBSGD), "
+                        'lars (mx.optimizer.LARS)')
+    p.add_argument('--warmup-strategy', choices=tuple(schedules.WARMUP_STRATEGIES),
+                   help='lbsgd / mxnet-lbsgd only (default %s)' % d.warmup_strategy)
+    p.add_argument('--warmup-epochs', type=number(float, 0),
+                   help='lbsgd / mxnet-lbsgd only (default %g; --single: %g)'
+                        % (demo['warmup_epochs'], d.warmup_epochs))
+    p.add_argument('--batch-size', type=number(int, 1), default=d.batch_size,
+                   help='micro-batch size (default %(default)s)')
+    p.add_argument('--batch-scale', type=number(int, 1),
+                   help='micro-batches per update, also the final warmup multiplier '
+                        '(lbsgd / mxnet-lbsgd; default %d; --single or another '
+                        'optimizer: %d)' % (demo['batch_scale'], d.batch_scale))
+    p.add_argument('--epochs', type=number(int, 1),
+                   help='default %d (--single: %d)' % (demo['epochs'], d.epochs))
+    p.add_argument('--lr', type=number(float, 0, open_low=True),
+                   help='base learning rate (default: per optimizer, see below)')
+    p.add_argument('--momentum', type=number(float, 0, 1, open_high=True),
+                   default=d.momentum, help='default %(default)s')
+    p.add_argument('--wd', type=number(float, 0), default=d.wd, help='default %(default)s')
+    p.add_argument('--dtype', choices=('float32', 'float16'),
+                   help='default %s (--single: %s)' % (demo['dtype'], d.dtype))
+    p.add_argument('--loss-scale', type=_loss_scale, metavar='{dynamic,none,SCALE}',
+                   help='default: dynamic for float16, none for float32; a number is a '
+                        'static scale (overflow steps are still skipped)')
+    p.add_argument('--growth-interval', type=number(int, 1),
+                   help='finite steps before a dynamic loss scale doubles (default %d; '
+                        '--single: %d)' % (demo['growth_interval'], d.growth_interval))
+    p.add_argument('--single', action='store_true',
+                   help='one run, no baseline, with the former defaults (batch 32 x 1, '
+                        'float32, 15 epochs, warmup 1 epoch, growth interval 100); the '
+                        'other flags apply as given')
+    p.add_argument('--no-baseline', action='store_true',
+                   help='skip the baseline run (keeps the defaults of the main run)')
+    p.add_argument('--kvstore', choices=('local', 'device', 'dist_sync', 'horovod'),
+                   help='default: none. dist_sync: run under "mx-lbsgd launch"; horovod: '
+                        'run under "horovodrun --gloo -np 2 -H localhost:2"; each worker '
+                        'trains on its shard (by rank), only rank 0 writes --out')
+    p.add_argument('--hidden', type=_hidden, default=d.hidden, metavar='N[,N...]',
+                   help='hidden layer sizes (default 64,64)')
+    p.add_argument('--target', type=number(float, 0, 1), default=d.target,
+                   help='test accuracy for epochs_to_target (default %(default)s)')
+    p.add_argument('--seed', type=int, default=d.seed,
+                   help='data split, initialization and shuffling (default %(default)s)')
+    p.add_argument('--no-steps', action='store_true',
+                   help='do not record steps.csv (saves one host read per step)')
+    p.add_argument('--out', help='output folder (default runs/<timestamp>)')
+    p.add_argument('--quiet', action='store_true', help='no progress output')
+    return p
+
+
+def _config(args, parser):
+    lbsgd_like = args.optimizer in config.WARMUP_OPTIMIZERS
+    for flag, value in (('--warmup-strategy', args.warmup_strategy),
+                        ('--warmup-epochs', args.warmup_epochs)):
+        if value is not None and not lbsgd_like:
+            parser.error('argument %s: applies to lbsgd and mxnet-lbsgd only, not %s'
+                         % (flag, args.optimizer))
+    if args.batch_scale not in (None, 1) and not lbsgd_like:
+        parser.error('argument --batch-scale: applies to lbsgd and mxnet-lbsgd only, not %s'
+                     % args.optimizer)
+    d = dict(dataclasses.asdict(config.TrainConfig()))
+    if not args.single:
+        d.update(config.DEMO_DEFAULTS)
+        if not lbsgd_like:
+            d['batch_scale'] = 1
+
+    def pick(name):
+        value = getattr(args, name)
+        return d[name] if value is None else value
+    return config.TrainConfig(
+        optimizer=args.optimizer, warmup_strategy=args.warmup_strategy or d['warmup_strategy'],
+        warmup_epochs=pick('warmup_epochs'), batch_size=args.batch_size,
+        batch_scale=pick('batch_scale'), epochs=pick('epochs'), lr=args.lr,
+        momentum=args.momentum, wd=args.wd, dtype=pick('dtype'),
+        loss_scale=args.loss_scale, growth_interval=pick('growth_interval'),
+        kvstore=args.kvstore, seed=args.seed, hidden=args.hidden, target=args.target,
+        record_steps=not args.no_steps)
+
+
+def _wants_baseline(args):
+    """The baseline runs unless --single / --no-baseline, or a multi-process job (each
+    worker would train it alone)."""
+    return not (args.single or args.no_baseline or args.kvstore in ('dist_sync', 'horovod'))
+
+
+class _Progress:
+    """A tqdm bar over steps on a terminal; otherwise one line per epoch (unless quiet).
+    Workers other than rank 0 stay silent."""
+
+    def __init__(self, cfg, quiet, label=''):
+        self.cfg, self.quiet, self.bar, self.label = cfg, quiet, None, label
+
+    def start(self, info):
+        self.quiet = self.quiet or info['rank'] != 0
+        if not self.quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=info['steps_per_epoch'] * info['epochs'], unit='step',
+                            dynamic_ncols=True, leave=True,
+                            desc='%s%s %s' % (self.label and self.label + ': ',
+                                              self.cfg.optimizer, self.cfg.dtype))
+
+    def step(self, row):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def epoch(self, row):
+        if self.bar is not None:
+            self.bar.set_postfix(loss='%.4f' % row['train_loss'], acc='%.3f' % row['test_acc'],
+                                 lr='%.3g' % row['lr'], scale='%g' % row['loss_scale'])
+        elif not self.quiet:
+            print('%sepoch %3d  train loss %.4f  train acc %.3f  test acc %.3f  lr %.4g  '
+                  'loss scale %g  skipped %d  %.1f s' % (
+                      self.label and self.label + ' ', row['epoch'], row['train_loss'],
+                      row['train_acc'], row['test_acc'], row['lr'], row['loss_scale'],
+                      row['skipped_steps'], row['seconds']),
+                  flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(argv):
+    """Run ``mx-lbsgd train`` with `argv`; returns the exit status (UsageError and
+    SystemExit as the command's main turns them into one)."""
+    from . import train, summary
+    parser = _parser()
+    args = parser.parse_args(argv)
+    cfg = _config(args, parser)
+    require_demo(parser.prog)
+    out = args.out or os.path.join('runs', time.strftime('%Y%m%d-%H%M%S'))
+    require_writable_dir(parser.prog, out)          # before training, not after it
+    runs = [('main' if _wants_baseline(args) else '', cfg)]
+    if _wants_baseline(args):
+        runs.append(('baseline', config.baseline_config(cfg)))
+    results = []
+    for label, run_cfg in runs:
+        progress = _Progress(run_cfg, args.quiet, label)
+        try:
+            results.append(train.train(run_cfg, on_start=progress.start,
+                                        on_step=progress.step, on_epoch=progress.epoch))
+        except config.ConfigError as err:
+            raise UsageError('%s: error: %s' % (parser.prog, err)) from None
+        finally:
+            progress.close()
+        if results[0]['rank'] != 0:
+            return 0
+    result, baseline = results[0], (results[1] if len(results) > 1 else None)
+    paths = summary.write_outputs(result, out, argv=list(argv), baseline=baseline)
+    for (label, _), res in zip(runs, results):
+        print((label + ': ' if label else '') + _result_line(res))
+    print('wrote %s' % ', '.join(paths))
+    return 0
+
+
+def _result_line(result):
+    reach = result['epochs_to_target']
+    line = ('test accuracy %.4f (best %.4f at epoch %d; %s %.2f %s) in %.1f s, '
+            '%d of %d steps skipped' % (
+                result['final_test_acc'], result['best_test_acc'], result['best_epoch'],
+                'target', result['target_acc'],
+                'reached at epoch %d' % reach if reach else 'not reached',
+                result['wall_time_s'], result['skipped_steps'], result['total_steps']))
+    if result['effective_batch_size'] != result['batch_size']:
+        line += ', effective batch %d' % result['effective_batch_size']
+    if result['final_loss_scale'] != 1.0 or result['config']['loss_scale'] != 'none':
+        line += ', final loss scale %g' % result['final_loss_scale']
+    if 'final_underflow_fraction' in result:
+        line += ', gradient underflow %.2f%%' % (100 * result['final_underflow_fraction'])
+    return line
