@@ -428,8 +428,7 @@ def _genuine_v01_optimizer(opt, monkeypatch, step_gate_module):
     mx_lbsgd._step_gate._StepGate, the module 0.1 kept it in."""
     import types
     import uuid
-    state = dict(opt.__dict__)
-    state.pop('param_dict', None)
+    state = opt.__getstate__()
     for later in ('window_position', 'window_phase', '_plans', '_gate'):
         state.pop(later, None)
     state['_scratch'] = {}
