@@ -59,9 +59,9 @@ def _allowed_globals():
                ('builtins', 'object'), ('builtins', 'set'), ('builtins', 'frozenset'),
                ('builtins', 'slice'), ('builtins', 'complex'), ('builtins', 'bytearray'),
                ('_codecs', 'encode'),
-               ('mx_lbsgd.lbsgd', 'LBSGD'), ('mx_lbsgd.lssgd', 'LossScaledSGD'),
                ('mx_lbsgd.loss_scale', 'DynamicLossScaler'),
                ('mx_lbsgd.lr_scheduler', 'WarmupScheduler')}
+    # every registered optimizer (mx_lbsgd's register themselves on import)
     optimizers = set(mx.optimizer.Optimizer.opt_registry.values())
     optimizers |= {cls for cls in vars(mx.optimizer.optimizer).values()   # MXNet's LBSGD,
                    if isinstance(cls, type) and issubclass(cls, mx.optimizer.Optimizer)}
