@@ -8,7 +8,7 @@ import warnings
 
 import mxnet as mx
 
-from . import _window, checkpoint, counting, lbsgd as _lbsgd
+from . import checkpoint, counting
 from ._graph_scale import scale_gradient
 from .gluon import LossScaling, bind, init_kvstore
 from .lbsgd import LBSGD
@@ -30,4 +30,3 @@ with warnings.catch_warnings():
     mx.optimizer.register(LBSGD)
     mx.optimizer.register(LossScaledSGD)      # as 'losscaledsgd'
 mx.optimizer.Optimizer.opt_registry['lssgd'] = LossScaledSGD
-_lbsgd._TRAINER_STEP_HOOKS.append(_window.attach)

@@ -1,8 +1,8 @@
 """Every use of MXNet's private internals, one function each.
 
 Each function says why the public API does not suffice. All were checked against MXNet
-1.9.1 (the version ``setup.py`` pins); none is used by the pure layers (``schedules``,
-``loss_scale``) or by ``_kernels``.
+1.9.1 (the version ``setup.py`` pins); the pure layers (``schedules``, ``loss_scale``) use
+none. Nothing else in the package touches a private MXNet attribute.
 """
 import os
 import sys
@@ -68,22 +68,6 @@ def trainer_updaters(trainer):
 def trainer_scale(trainer):
     """The factor ``Trainer.step`` divides by the batch size to get ``rescale_grad``."""
     return trainer._scale
-
-
-def wrap_trainer_allreduce(trainer, make_wrapper):
-    """Replace this Trainer's gradient reduction by ``make_wrapper(original)``, once.
-
-    Why: accumulating micro-batches before communicating needs a say in
-    ``Trainer.step``'s reduction, which only the private ``_allreduce_grads`` method gives
-    (horovod's DistributedTrainer overrides the same method, so this covers it too).
-    Returns False when the Trainer already carries a wrapper.
-    """
-    if getattr(trainer, '_mx_lbsgd_allreduce', None) is not None:
-        return False
-    original = trainer._allreduce_grads
-    trainer._mx_lbsgd_allreduce = original
-    trainer._allreduce_grads = make_wrapper(original)
-    return True
 
 
 def fresh_gradients(param_dict):
@@ -193,7 +177,8 @@ def trainer_params(trainer):
 
 
 def is_fresh(array):
-    """Whether backward wrote this parameter array's gradient since the last update."""
+    """Whether backward wrote this parameter array's gradient since the last update
+    (NDArray's ``_fresh_grad`` flag, which Trainer reads and clears; no public accessor)."""
     return array._fresh_grad
 
 
@@ -270,3 +255,59 @@ def dense_weights_with_sparse_gradients(trainer):
 
 def has_sparse_gradients(trainer):
     return any(grad_stype(p) != 'default' for p in trainer_params(trainer))
+
+
+def mul_scalar(array, scalar, out):
+    """``out = array * scalar`` written into `out`.
+
+    Why: the public ``array * scalar`` allocates a new array every call; the accumulation
+    window runs it every micro-batch on every gradient. ``nd._internal._mul_scalar`` is the
+    operator behind it and takes ``out``."""
+    return mx.nd._internal._mul_scalar(array, scalar=scalar, out=out)
+
+
+def buffer_id(array):
+    """An id of the memory an NDArray refers to: two Python NDArray objects (an ``mx.np``
+    array and its legacy view) share it. Why: NDArray has no public identity of its
+    buffer; its ctypes ``handle`` is that identity."""
+    return array.handle.value
+
+
+def update_counts(opt):
+    """(all per-device update counts, the current device's) of any MXNet Optimizer.
+
+    Why: checkpoints must restore them bit for bit, and the optimizer shell reads and rewinds
+    them (a skipped window); MXNet keeps them in ``_all_index_update_counts`` (a dict per
+    device id) and ``_index_update_count`` (one of those dicts), with no public accessor."""
+    return opt._all_index_update_counts, opt._index_update_count
+
+
+def set_update_counts(opt, counts):
+    """Replace every update count (``{device id: {index: count}}``), keeping the optimizer's
+    current device."""
+    current = next((k for k, v in opt._all_index_update_counts.items()
+                    if v is opt._index_update_count), 0)
+    opt._all_index_update_counts = {int(k): {i: int(n) for i, n in v.items()}
+                                    for k, v in counts.items()} or {0: {}}
+    opt._index_update_count = opt._all_index_update_counts.setdefault(current, {})
+
+
+def kvstore_updater(kvstore):
+    """The ``mx.optimizer.Updater`` a local kvstore updates with (Module with
+    ``update_on_kvstore``): where its optimizer states live. KVStore exposes only
+    ``save_optimizer_states``, which writes MXNet's format without our progress."""
+    return getattr(kvstore, '_updater', None)
+
+
+def wrap_trainer_step(trainer, reduce, update):
+    """Route this Trainer's gradient reduction through ``reduce(original)`` and its
+    per-device update through ``update(original, *args, **kwargs)``.
+
+    Why: accumulating micro-batches before communicating needs a say in ``Trainer.step``'s
+    reduction, which only the private ``_allreduce_grads`` gives (horovod's
+    DistributedTrainer overrides the same method, so this covers it too); a step-level
+    overflow decision must list the fresh gradients before ``_update`` clears their flags.
+    ``step``, ``allreduce_grads`` and ``update`` all go through these two."""
+    original_reduce, original_update = trainer._allreduce_grads, trainer._update
+    trainer._allreduce_grads = lambda: reduce(original_reduce)
+    trainer._update = lambda *a, **k: update(original_update, *a, **k)

@@ -1,12 +1,12 @@
-"""Every mx.nd kernel call of the package; the optimizers never call a kernel themselves.
+"""Kernels every optimizer shares: routing, norms, LARS rates, accumulation, finite checks.
 
-`_single_tensor_sgd` and `_multi_tensor_sgd` take the same keyword-only arguments. Which
-one runs is decided by `route` from the tensor sizes (or forced by ``fused``), once per
-group of tensors, by the optimizer when it first sees the group: per-tensor kernels are
-fastest for big tensors (MXNet parallelises one big kernel over all cores), MXNet's
-multi-tensor kernels (``multi_*sgd*``, ``preloaded_multi_*``) for many small ones (one
-call per 60 tensors). Nothing here reads a value back to the host except
-`finite_flag`'s caller, which reads the one flag.
+An optimizer's own update kernels are its kernel family (`_sgd`). Which path a family's
+`single_tensor`/`multi_tensor` kernels take is decided by `route` from the tensor sizes (or
+forced by ``fused``), once per group of tensors: per-tensor kernels are fastest for big
+tensors (MXNet parallelises one big kernel over all cores), MXNet's multi-tensor kernels
+(``multi_*``, ``preloaded_multi_*``) for many small ones (one call per 60 tensors). Nothing
+here reads a value back to the host except `finite_flag`'s caller, which reads the one
+flag, and `sparse_lars_factor`.
 
 Learning rates come either as Python floats (``lrs``) or as a float32 vector on the device
 (``lr_vector``, from `lars_lrs`): the ``preloaded_multi_*`` kernels read the latter without a
@@ -17,6 +17,8 @@ import math
 import numpy as np
 import mxnet as mx
 from mxnet import nd
+
+from . import _compat
 
 MAX_TENSORS_PER_KERNEL = 60        # limit of MXNet's multi_* and preloaded_multi_* ops
 MAX_ARRAYS_PER_FINITE_CHECK = 200  # limit of multi_all_finite
@@ -51,26 +53,26 @@ def route(sizes, device_type, fused, dtype=None):
 CPU_ELEMENTS_PER_KERNEL = {'float16': 1 << 14, None: 1 << 16}
 
 
-def _spans(tensors):
+def spans(tensors):
     """(start, end) index ranges of at most 60 tensors (and, on CPU, of at most
     CPU_ELEMENTS_PER_KERNEL elements unless one tensor alone is larger)."""
     limit = None
     if tensors[0].context.device_type == 'cpu':
         limit = CPU_ELEMENTS_PER_KERNEL.get(np.dtype(tensors[0].dtype).name,
                                             CPU_ELEMENTS_PER_KERNEL[None])
-    spans, start, total = [], 0, 0
+    out, start, total = [], 0, 0
     for i, t in enumerate(tensors):
         size = t.size
         if i > start and (i - start == MAX_TENSORS_PER_KERNEL
                           or (limit is not None and total + size > limit)):
-            spans.append((start, i))
+            out.append((start, i))
             start, total = i, 0
         total += size
-    spans.append((start, len(tensors)))
-    return spans
+    out.append((start, len(tensors)))
+    return out
 
 
-def _chunks(seq, size=MAX_TENSORS_PER_KERNEL):
+def chunks(seq, size=MAX_TENSORS_PER_KERNEL):
     return [seq[i:i + size] for i in range(0, len(seq), size)]
 
 
@@ -89,7 +91,7 @@ def sum_squares(arrays):
     """
     if arrays[0].context.device_type != 'gpu' and arrays[0].dtype == np.float16:
         arrays = [a.astype(np.float32) for a in arrays]
-    parts = [nd.multi_sum_sq(*chunk, num_arrays=len(chunk)) for chunk in _chunks(arrays)]
+    parts = [nd.multi_sum_sq(*chunk, num_arrays=len(chunk)) for chunk in chunks(arrays)]
     return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=0)
 
 
@@ -126,11 +128,11 @@ def accumulate(*, accs, grads, first, factor, scratch):
     for acc, grad in zip(accs, grads):
         if first:
             if grad.dtype == acc.dtype:
-                nd._internal._mul_scalar(grad, scalar=factor, out=acc)
+                _compat.mul_scalar(grad, scalar=factor, out=acc)
             else:
                 nd.Cast(grad, dtype=acc.dtype, out=acc)
                 if factor != 1.0:
-                    nd._internal._mul_scalar(acc, scalar=factor, out=acc)
+                    _compat.mul_scalar(acc, scalar=factor, out=acc)
             continue
         if grad.dtype != acc.dtype:
             grad = cast_into(grad, acc.dtype, scratch)
@@ -150,7 +152,7 @@ def write_mean(*, grads, accs, factor, mean_factor, scratch):
                           rescale_grad=1.0)
         else:
             accumulate(accs=[acc], grads=[grad], first=False, factor=factor, scratch=scratch)
-            nd._internal._mul_scalar(acc, scalar=mean_factor, out=acc)
+            _compat.mul_scalar(acc, scalar=mean_factor, out=acc)
             nd.Cast(acc, dtype=grad.dtype, out=grad)
 
 
@@ -165,86 +167,6 @@ def cast_into(array, dtype, scratch):
     view = flat[:array.size].reshape(array.shape)
     nd.Cast(array, dtype=dtype, out=view)
     return view
-
-
-def _kernel_kwargs(momentum, rescale_grad, clip_gradient):
-    kwargs = {'rescale_grad': rescale_grad,
-              'clip_gradient': clip_gradient if clip_gradient else -1.0}
-    if momentum > 0:
-        kwargs['momentum'] = momentum
-    return kwargs
-
-
-def _native_mp(weight, grad, master):
-    """fp16 weight and gradient with an fp32 master copy on a GPU: the mp_* kernels.
-    On CPU (no F16C) casting the gradient into an fp32 buffer and running the fp32 kernel
-    on the master copy is 1.5x faster."""
-    return master is not None and grad.dtype == weight.dtype and \
-        weight.context.device_type == 'gpu'
-
-
-def _single_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
-                       rescale_grad, clip_gradient, scratch):
-    kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
-    wd_vector = None if lr_vector is None else device_vector(wds, weights[0].context)
-    for i, (w, g, m, w32) in enumerate(zip(weights, grads, moms, masters)):
-        native = _native_mp(w, g, w32)
-        if w32 is not None and not native and g.dtype != w32.dtype:
-            g = cast_into(g, w32.dtype, scratch)
-        target = w if (w32 is None or native) else w32
-        tensors = [target, g] + ([] if m is None else [m]) + ([w32] if native else [])
-        if lr_vector is None:
-            op = {(False, False): nd.sgd_update, (False, True): nd.sgd_mom_update,
-                  (True, False): nd.mp_sgd_update,
-                  (True, True): nd.mp_sgd_mom_update}[(native, m is not None)]
-            op(*tensors, out=target, lr=lrs[i], wd=wds[i], **kwargs)
-        else:
-            _preloaded(native, m is not None)(
-                *tensors, lr_vector[i:i + 1], wd_vector[i:i + 1], out=[target], num_weights=1,
-                **kwargs)
-        if w32 is not None and not native:
-            nd.Cast(w32, dtype=w.dtype, out=w)
-
-
-def _preloaded(mp, with_mom):
-    return {(False, False): nd.preloaded_multi_sgd_update,
-            (False, True): nd.preloaded_multi_sgd_mom_update,
-            (True, False): nd.preloaded_multi_mp_sgd_update,
-            (True, True): nd.preloaded_multi_mp_sgd_mom_update}[(mp, with_mom)]
-
-
-def _multi_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
-                      rescale_grad, clip_gradient, scratch):  # pylint: disable=unused-argument
-    kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
-    # fp16 gradients with master copies: the mp_* kernels (one scratch buffer cannot hold
-    # the fp32 casts of a whole chunk)
-    native = masters[0] is not None and grads[0].dtype == weights[0].dtype
-    cast_down = masters[0] is not None and not native
-    targets = masters if cast_down else weights
-    with_mom = moms[0] is not None
-    wd_vector = None if lr_vector is None else device_vector(wds, weights[0].context)
-    for start, end in _spans(weights):
-        part = slice(start, end)
-        columns = [targets[part], grads[part]]
-        if with_mom:
-            columns.append(moms[part])
-        if native:
-            columns.append(masters[part])
-        tensors = [x for row in zip(*columns) for x in row]
-        if lr_vector is None:
-            op = {(False, False): nd.multi_sgd_update,
-                  (False, True): nd.multi_sgd_mom_update,
-                  (True, False): nd.multi_mp_sgd_update,
-                  (True, True): nd.multi_mp_sgd_mom_update}[(native, with_mom)]
-            op(*tensors, out=targets[part], num_weights=end - start,
-               lrs=tuple(lrs[part]), wds=tuple(wds[part]), **kwargs)
-        else:
-            _preloaded(native, with_mom)(
-                *tensors, lr_vector[start:end], wd_vector[start:end], out=targets[part],
-                num_weights=end - start, **kwargs)
-    if cast_down:
-        for w, w32 in zip(weights, masters):
-            nd.Cast(w32, dtype=w.dtype, out=w)
 
 
 _FINITE_PLANS = {}
@@ -300,7 +222,7 @@ def _finite_plan(arrays, fused):
             single, multi = route([a.size for a in group], ctx.device_type, fused, dtype)
             calls += [(group[i], None) for i in single]
             calls += [(None, chunk) for chunk in
-                      _chunks([group[i] for i in multi], MAX_ARRAYS_PER_FINITE_CHECK)]
+                      chunks([group[i] for i in multi], MAX_ARRAYS_PER_FINITE_CHECK)]
         plan.append((ctx, calls))
     return plan
 
@@ -309,31 +231,6 @@ def scale_in_place(arrays, factor):
     """arrays[i] *= factor (unscaling gradients for clipping)."""
     for a in arrays:
         a *= factor
-
-
-# -- sparse and non-default storage (row_sparse gradients, csr/row_sparse weights) -------
-def _sparse_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad,
-                clip_gradient, lazy_update):
-    """One tensor at a time with MXNet's sgd_update / sgd_mom_update and `lazy_update`,
-    as mx.optimizer.SGD calls them for non-default storage: a row_sparse gradient updates
-    only its rows when lazy (weight, momentum, weight decay), every row otherwise; csr or
-    row_sparse weights go through MXNet's own storage fallback. With an fp32 master copy
-    the (row_sparse) gradient is cast to fp32 and the master copy is updated, lazily too,
-    then cast into the weight (MXNet's mp_sgd_* kernels have no sparse path and fall back
-    to a dense update)."""
-    kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
-    for w, g, m, w32, lr, wd in zip(weights, grads, moms, masters, lrs, wds):
-        target = w if w32 is None else w32
-        if w32 is not None and g.dtype != w32.dtype:
-            g = g.astype(w32.dtype)
-        if m is None:
-            nd.sgd_update(target, g, out=target, lazy_update=lazy_update, lr=lr, wd=wd,
-                          **kwargs)
-        else:
-            nd.sgd_mom_update(target, g, m, out=target, lazy_update=lazy_update, lr=lr, wd=wd,
-                              **kwargs)
-        if w32 is not None:
-            nd.Cast(w32, dtype=w.dtype, out=w)
 
 
 def sparse_lars_factor(*, weight, grad, wd, eta, eps, rescale_grad, lars_min, lars_max):

@@ -20,13 +20,19 @@ decides once per step instead, with one host read:
 """
 import warnings
 
-from . import _kernels
+from . import _compat, _kernels
 
-KVSTORE_REFUSAL = (
+_KVSTORE_REFUSAL = (
     '%s cannot run with update_on_kvstore=True: the kvstore updates each parameter as soon '
     'as its gradient arrives, so an overflow step cannot be skipped as a whole. Use '
     'gluon.Trainer(..., update_on_kvstore=False), or for Module set the environment '
     'variable MXNET_UPDATE_ON_KVSTORE=0')
+
+
+def refuse_kvstore_updates(owner):
+    """Raise the one refusal of loss scaling on a kvstore that updates the weights.
+    `owner` names who refuses (an optimizer class name, or 'LossScaling')."""
+    raise ValueError(_KVSTORE_REFUSAL % owner)
 
 
 def all_finite(grads, fused):
@@ -48,7 +54,39 @@ def unscale_factor(scale):
 
 
 def _handle(array):
-    return array.handle.value
+    return _compat.buffer_id(array)
+
+
+class SkipLedger:
+    """The accounting of skipped steps, with its explicit state (pickled with the
+    optimizer, restored from checkpoints)::
+
+        on a skipped step of `window` micro-batches (B for a window reduced at a Trainer,
+        else 1): num_update -= window - 1         # its micro-batches were counted as they came
+            if count_skipped_steps: skipped_updates += window; num_update += window
+        after each counted micro-batch: num_update >= top count + skipped_updates
+
+    ``last_step_skipped`` says whether the last step was skipped.
+    """
+
+    def __init__(self, count_skipped_steps=False):
+        self.count_skipped_steps = bool(count_skipped_steps)
+        self.skipped_updates = 0
+        self.last_step_skipped = False
+
+    def skipped(self, num_update, window):
+        """num_update after a skipped step of `window` micro-batches."""
+        num_update -= window - 1
+        if self.count_skipped_steps:
+            self.skipped_updates += window
+            num_update += window
+        return num_update
+
+    def counted(self, num_update, top):
+        """num_update after micro-batches were counted up to `top`."""
+        if self.skipped_updates:
+            return max(num_update, top + self.skipped_updates)
+        return num_update
 
 
 class _StepGate:
@@ -70,7 +108,7 @@ class _StepGate:
         self._boundary = False
         self._fresh = None        # every gradient of the step (Gluon), from new_step()
         self.skip = None          # None: this step is not decided yet
-        self.counted = False      # whether a skipped step was counted in num_update
+        self._reported = False    # whether a skipped step was handed to `take_skip`
         self.scale = 1.0          # the loss scale the decided step's gradients carry
 
     def created(self, key):
@@ -101,6 +139,13 @@ class _StepGate:
             self.scale = scale
         return runs + self._release(scaler)
 
+    def take_skip(self):
+        """True once per skipped step, for whoever accounts it."""
+        if self.skip and not self._reported:
+            self._reported = True
+            return True
+        return False
+
     def _end_step(self, scaler):
         runs = []
         if self._pending:
@@ -109,7 +154,7 @@ class _StepGate:
             runs = self._release(scaler)
         self._expected = self._delivered or self._expected
         self._delivered, self._checked = set(), set()
-        self.skip, self.counted, self._boundary, self._complete = None, False, False, False
+        self.skip, self._reported, self._boundary, self._complete = None, False, False, False
         self._fresh = None
         return runs
 

@@ -14,7 +14,7 @@ optimizers, the accumulation window and the loss scaler. Loading puts all of it 
 live optimizer, so objects that hold its scaler keep seeing the live one. Files written by
 MXNet's ``save_states``/``save_optimizer_states`` and by mx_lbsgd 0.1 load too.
 
-Safety: a file is read with a restricted unpickler (`_SafeUnpickler`) that accepts MXNet
+Safety: a file is read with a restricted unpickler (`_Unpickler`) that accepts MXNet
 NDArrays, builtin containers and scalars, numpy arrays/scalars/dtypes, MXNet's optimizers and
 LR schedulers and this package's optimizer, scaler and scheduler classes, and refuses every
 other global (functions, ``os.system``, ``eval``, ``builtins.__import__``, ...) with a
@@ -39,8 +39,7 @@ import tempfile
 import numpy as np
 import mxnet as mx
 
-from . import _compat
-from .lbsgd import _Ledger
+from . import _binding, _compat, _legacy
 
 __all__ = ['save_states', 'load_states', 'save_checkpoint', 'load_checkpoint']
 
@@ -60,11 +59,9 @@ def _allowed_globals():
                ('builtins', 'object'), ('builtins', 'set'), ('builtins', 'frozenset'),
                ('builtins', 'slice'), ('builtins', 'complex'), ('builtins', 'bytearray'),
                ('_codecs', 'encode'),
-               ('mx_lbsgd.lbsgd', 'LBSGD'), ('mx_lbsgd.lbsgd', '_Ledger'),
-               ('mx_lbsgd._step_gate', '_StepGate'),       # in files of mx_lbsgd 0.1
-               ('mx_lbsgd.lssgd', 'LossScaledSGD'),
                ('mx_lbsgd.loss_scale', 'DynamicLossScaler'),
                ('mx_lbsgd.lr_scheduler', 'WarmupScheduler')}
+    # every registered optimizer (mx_lbsgd's register themselves on import)
     optimizers = set(mx.optimizer.Optimizer.opt_registry.values())
     optimizers |= {cls for cls in vars(mx.optimizer.optimizer).values()   # MXNet's LBSGD,
                    if isinstance(cls, type) and issubclass(cls, mx.optimizer.Optimizer)}
@@ -76,12 +73,18 @@ def _allowed_globals():
     return allowed
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """Resolves only the globals of `_allowed_globals`; anything else is refused before it
-    could be called."""
+class _Unpickler(pickle.Unpickler):
+    """Reads earlier versions' names (`_legacy.GLOBALS`); unless `trusted`, resolves only the
+    globals of `_allowed_globals` and refuses anything else before it could be called."""
+
+    def __init__(self, file, trusted):
+        super().__init__(file)
+        self.trusted = trusted
 
     def find_class(self, module, name):
-        if (module, name) in _allowed_globals():
+        if (module, name) in _legacy.GLOBALS:
+            return _legacy.GLOBALS[module, name]
+        if self.trusted or (module, name) in _allowed_globals():
             return super().find_class(module, name)
         raise _Refused('%s.%s' % (module, name))
 
@@ -92,9 +95,7 @@ class _Refused(pickle.UnpicklingError):
 
 def _unpickle(blob, path, trusted):
     try:
-        if trusted:
-            return pickle.loads(blob)
-        return _SafeUnpickler(io.BytesIO(blob)).load()
+        return _Unpickler(io.BytesIO(blob), trusted).load()
     except _Refused as err:
         raise ValueError(
             'optimizer states file %r refers to %s, which is not an allowed type, so it was '
@@ -134,7 +135,7 @@ def _updaters(target):
         updater = _compat.module_updater(target)
         if updater is None:
             kvstore, _ = _compat.module_kvstore(target)
-            updater = getattr(kvstore, '_updater', None)
+            updater = _compat.kvstore_updater(kvstore)
         if updater is None:
             raise ValueError('this Module updates its weights on a distributed kvstore: '
                              'its optimizer states live on the servers and cannot be saved')
@@ -142,26 +143,36 @@ def _updaters(target):
     raise TypeError('target must be a gluon.Trainer or a Module; got %r' % (target,))
 
 
-def _progress(opt):
-    """Counters, lr and scheduler of any MXNet optimizer, plus mx_lbsgd's own progress."""
-    progress = {'index_update_counts': {k: dict(v) for k, v in
-                                        opt._all_index_update_counts.items()},
+def _progress(opt, binding=None):
+    """One dict of plain values: the counters, lr and scheduler of any MXNet optimizer, then
+    what mx_lbsgd's optimizer and Trainer binding add through their ``progress()``."""
+    counts, _ = _compat.update_counts(opt)
+    progress = {'index_update_counts': {k: dict(v) for k, v in counts.items()},
                 'num_update': opt.num_update, 'lr': opt.lr, 'lr_scheduler': opt.lr_scheduler}
-    if hasattr(opt, 'progress'):
-        progress.update(opt.progress())
+    for part in (opt, binding):
+        if hasattr(part, 'progress'):
+            progress.update(part.progress())
     return progress
 
 
-def _load_progress(opt, progress):
+def _load_progress(opt, progress, binding=None):
+    """Give every part its `_progress` back through its ``load_progress``."""
     opt.lr = progress.get('lr', opt.lr)
     opt.lr_scheduler = progress.get('lr_scheduler', opt.lr_scheduler)
     if hasattr(opt, 'load_progress'):
-        opt.load_progress(dict({'skipped_updates': 0}, **progress))
-        return
-    opt._all_index_update_counts = {k: dict(v) for k, v in
-                                    progress['index_update_counts'].items()} or {0: {}}
-    opt._index_update_count = opt._all_index_update_counts.setdefault(0, {})
-    opt.num_update = progress['num_update']
+        opt.load_progress(progress)
+    else:
+        _compat.set_update_counts(opt, progress['index_update_counts'])
+        opt.num_update = progress['num_update']
+    if binding is not None:
+        binding.load_progress(progress)
+
+
+def _binding_of(target, opt):
+    """The Trainer binding of an mx_lbsgd optimizer's Trainer (it holds the window)."""
+    if isinstance(target, mx.gluon.Trainer) and hasattr(opt, 'begin_step'):
+        return _binding.bind(target)
+    return None
 
 
 def save_states(target, path):
@@ -170,7 +181,8 @@ def save_states(target, path):
     updaters, opt = _updaters(target)
     payload = pickle.dumps({'format': _FORMAT, 'version': _VERSION,
                             'states': [u.states for u in updaters],
-                            'progress': _progress(opt)}, protocol=pickle.HIGHEST_PROTOCOL)
+                            'progress': _progress(opt, _binding_of(target, opt))},
+                           protocol=pickle.HIGHEST_PROTOCOL)
     blob = MX_LBSGD_MAGIC + hashlib.sha256(payload).digest() + payload
     _atomic_write(path, lambda tmp: _write_bytes(tmp, blob))
 
@@ -220,25 +232,10 @@ def _read(path, trusted=False):
     if not isinstance(content, dict):
         raise ValueError('%r is not an optimizer states file (it holds a %s; expected a '
                          'dict of per-parameter states)' % (path, type(content).__name__))
-    states, progress = _strip_ledgers(content)
+    states, progress = _legacy.strip_ledgers(content, _progress)
     if progress is None and optimizer is not None:
         progress = _progress(optimizer)
     return [states], progress
-
-
-def _strip_ledgers(states):
-    """mx_lbsgd 0.1 ended every state with a reference to its optimizer: drop it, keep
-    the optimizer's progress."""
-    progress = None
-    clean = {}
-    for key, state in states.items():
-        if isinstance(state, tuple) and state and isinstance(state[-1], _Ledger):
-            if progress is None and state[-1].opt is not None:
-                progress = _progress(state[-1].opt)
-            state = state[:-1]
-            state = state[0] if len(state) == 1 else state
-        clean[key] = state
-    return clean, progress
 
 
 def load_states(target, path, trusted=False):
@@ -261,7 +258,7 @@ def load_states(target, path, trusted=False):
         updater.states = dict(states) if k == 0 else pickle.loads(pickle.dumps(states))
         updater.states_synced = dict.fromkeys(updater.states, False)
     if progress is not None:
-        _load_progress(opt, progress)
+        _load_progress(opt, progress, _binding_of(target, opt))
 
 
 def _weights_by_key(target):

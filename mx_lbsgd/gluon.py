@@ -4,7 +4,7 @@ import warnings
 import numpy as np
 import mxnet as mx
 
-from . import _compat, _kernels, _scaling, _window
+from . import _binding, _compat, _kernels, _scaling
 from .loss_scale import _as_scaler
 
 
@@ -54,7 +54,7 @@ class LossScaling:
                 raise ValueError('LossScaling: the optimizer %s already scales the loss '
                                  '(loss_scaler=%r); use one of the two, not both'
                                  % (type(t.optimizer).__name__, t.optimizer.loss_scaler))
-            _window.disable(t)
+            _binding.bind(t, window=False)
         self.scaler = _as_scaler(scaler, 'scaler')
         self.force = bool(force)
         self.fused = fused
@@ -90,7 +90,7 @@ class LossScaling:
         for t in self.trainers:
             _compat.init_trainer_kvstore(t)
             if _compat.trainer_updates_on_kvstore(t):
-                raise ValueError(_scaling.KVSTORE_REFUSAL % 'LossScaling')
+                _scaling.refuse_kvstore_updates('LossScaling')
         if not self._reduced:
             for t in self.trainers:
                 t.allreduce_grads()
@@ -141,11 +141,11 @@ class LossScaling:
 
 
 def bind(trainer, window=True):
-    """Bind `trainer` to mx_lbsgd's step protocol now (it is bound at its first step
-    otherwise). window=False reduces every micro-batch (the optimizer then accumulates
-    the reduced gradients) instead of once per update."""
-    if not window:
-        _window.disable(trainer)
+    """Bind `trainer` to mx_lbsgd's step protocol now (an mx_lbsgd optimizer binds its
+    Trainer at the first step otherwise); returns `trainer`. window=False: reduce every
+    micro-batch (the optimizer then accumulates the reduced gradients) instead of once per
+    update, as the `LossScaling` hook does."""
+    _binding.bind(trainer, window)
     return trainer
 
 

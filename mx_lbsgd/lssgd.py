@@ -26,8 +26,9 @@ class LossScaledSGD(LBSGD):
     ``Trainer.save_states`` keeps it), works with Module, checks every device's gradients
     and mixed fp16/fp32 parameters, and skips a step as a whole. Compared with PyTorch's
     ``GradScaler``: the scaler lives in the optimizer, so ``trainer.step`` does everything.
-    It is :class:`LBSGD` without warmup, LARS or accumulation (use ``LBSGD(loss_scaler=...)``
-    for those); the update equals ``mx.optimizer.SGD`` when no step overflows.
+    It is the :class:`LBSGD` preset without warmup, LARS or accumulation (use
+    ``LBSGD(loss_scaler=...)`` for those); the update equals ``mx.optimizer.SGD`` when no step
+    overflows.
 
     Parameters (besides those of ``mx.optimizer.Optimizer``)
     ----------

@@ -109,7 +109,7 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
         if resume and step == resume['at']:
             net, trainer = _resume(cfg, net, trainer, kv, rank, num_workers, contexts)
         x, y = _shard(step, rank, num_workers, cfg['batch'])
-        opt = trainer._optimizer
+        opt = trainer.optimizer
         scale = opt.loss_scaler.scale if getattr(opt, 'loss_scaler', None) else 1.0
         scale = hook.scale if hook else scale
         xs = gluon.utils.split_and_load(nd.array(x), contexts)
@@ -127,7 +127,7 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
             trainer.step(step_batch)
         comm.append(len(COMM) - before)
         record.append((hook.scaler.scale, hook.last_step_skipped) if hook
-                      else _scale_record(trainer._optimizer))
+                      else _scale_record(trainer.optimizer))
     weights = {p.name.split('_', 1)[1]: p.data(contexts[0]).asnumpy()
                for p in net.collect_params().values()}
     return weights, record, comm

@@ -1,7 +1,9 @@
-"""Pure-numpy float64 reference of everything the package computes.
+"""Pure-numpy float64 reference of everything the package computes: the one reference
+every comparison uses.
 
 Written from the formulas (MXNet's kernel documentation, the LARS paper, the issue texts),
-not from the package's code, so that comparisons against it can fail.
+not from the package's code, so that comparisons against it can fail. `NumpySGD` adapts
+`sgd_step` to MXNet's Optimizer interface for ``mx.test_utils.compare_optimizer``.
 """
 import math
 
@@ -39,16 +41,26 @@ def lars_factor(w, g, wd, eta, eps, rescale, lo=0.0, hi=math.inf):
     return float(min(max(eta * wn / (gn + wd * wn + eps), lo), hi))
 
 
-def sgd_step(w, g, mom, lr, wd, momentum, rescale, clip):
-    """MXNet's sgd_mom_update / sgd_update in float64; returns (w, mom)."""
-    g = rescale * g.astype(np.float64)
+def sgd_step(w, g, mom, lr, wd, momentum, rescale, clip, rows=None):
+    """MXNet's sgd_mom_update / sgd_update in float64; returns (w, mom). With `rows`
+    (lazy update of a row_sparse gradient) only those rows change::
+
+        g = clip(rescale * g, clip)              # no clip when clip is None or <= 0
+        mom = momentum * mom - lr * (g + wd * w);  w = w + mom      (momentum > 0)
+        w = w - lr * (g + wd * w)                                   (momentum = 0)
+    """
+    g = rescale * np.asarray(g, dtype=np.float64)
     if clip is not None and clip > 0:
         g = np.clip(g, -clip, clip)
     step = -lr * (g + wd * w)
-    if momentum > 0:
-        mom = momentum * mom + step
-        return w + mom, mom
-    return w + step, mom
+    new_mom = momentum * mom + step if momentum > 0 else mom
+    new_w = w + new_mom if momentum > 0 else w + step
+    if rows is None:
+        return new_w, new_mom
+    keep = np.zeros(w.shape[0], dtype=bool)
+    keep[list(rows)] = True
+    keep = keep.reshape((-1,) + (1,) * (w.ndim - 1))
+    return np.where(keep, new_w, w), (np.where(keep, new_mom, mom) if momentum > 0 else mom)
 
 
 class LBSGDReference:
@@ -57,7 +69,7 @@ class LBSGDReference:
     def __init__(self, weights, names, lr, wd, momentum=0.0, strategy='linear', B=1,
                  warmup_epochs=5, updates_per_epoch=32, begin_epoch=0, rescale=1.0,
                  clip=None, eta=0.001, eps=0.0, lars_min=0.0, lars_max=math.inf,
-                 exclude=('bias', 'gamma', 'beta'), lr_mults=None, wd_mults=None):
+                 exclude=('bias', 'gamma', 'beta'), lr_mults=None, wd_mults=None, lars=None):
         self.w = [np.array(x, dtype=np.float64) for x in weights]
         self.mom = [np.zeros_like(x) for x in self.w]
         self.acc = [np.zeros_like(x) for x in self.w]
@@ -67,7 +79,8 @@ class LBSGDReference:
                              W=warmup_epochs * updates_per_epoch,
                              n0=begin_epoch * updates_per_epoch, rescale=rescale, clip=clip,
                              eta=eta, eps=eps, lars_min=lars_min, lars_max=lars_max,
-                             exclude=exclude, lr_mults=lr_mults or {}, wd_mults=wd_mults or {})
+                             exclude=exclude, lr_mults=lr_mults or {}, wd_mults=wd_mults or {},
+                             lars=strategy == 'lars' if lars is None else lars)
 
     def step(self, grads):
         self.k += 1
@@ -79,12 +92,66 @@ class LBSGDReference:
             g = self.acc[i] / self.B
             lr = self.lr * self.lr_mults.get(name, 1.0)
             wd = self.wd * self.wd_mults.get(name, 1.0)
-            if self.strategy == 'lars':
-                if not name.endswith(self.exclude):
-                    lr *= lars_factor(self.w[i], g, wd, self.eta, self.eps, self.rescale,
-                                      self.lars_min, self.lars_max)
-            else:
+            if self.strategy != 'lars':
                 lr *= warmup_multiplier(self.n0 + self.k, self.W, self.B, self.strategy)
+            if self.lars and not name.endswith(self.exclude):
+                lr *= lars_factor(self.w[i], g, wd, self.eta, self.eps, self.rescale,
+                                  self.lars_min, self.lars_max)
             self.w[i], self.mom[i] = sgd_step(self.w[i], g, self.mom[i], lr, wd,
                                               self.momentum, self.rescale, self.clip)
             self.acc[i] = np.zeros_like(self.w[i])
+
+
+def lazy_sgd_rows(w, mom, g, rows, lr, wd, momentum, rescale=1.0):
+    """Lazy SGD on float64 numpy arrays: only `rows` change (weight, momentum, decay)."""
+    return sgd_step(w, g, mom, lr, wd, momentum, rescale, None, rows=rows)
+
+
+def _numpy_sgd():
+    import mxnet as mx
+
+    class NumpySGD(mx.optimizer.Optimizer):
+        """`sgd_step` as an MXNet Optimizer (MXNet's SGD semantics on dense values). With
+        multi_precision and float16 weights the math runs on an fp32 master copy (state
+        (mom or None, master)) and the weight is the master cast to float16. lazy_rows:
+        only rows whose gradient is not all zero change."""
+
+        def __init__(self, momentum=0.0, multi_precision=False, lazy_rows=False, **kwargs):
+            super().__init__(multi_precision=multi_precision, **kwargs)
+            self.momentum = momentum
+            self.lazy_rows = lazy_rows
+
+        def create_state_multi_precision(self, index, weight):
+            mom_dtype = np.float32 if self.multi_precision else weight.dtype
+            mom = mx.nd.zeros(weight.shape, dtype=mom_dtype) if self.momentum else None
+            if self.multi_precision and weight.dtype == np.float16:
+                return (mom, mx.nd.array(weight.asnumpy().astype(np.float32),
+                                         dtype=np.float32))
+            return mom
+
+        def update_multi_precision(self, index, weight, grad, state):
+            lr, wd = self._get_lr(index), self._get_wd(index)
+            self._update_count(index)
+            mp = isinstance(state, tuple)
+            mom = state[0] if mp else state
+            target = state[1] if mp else weight
+            w = target.asnumpy().astype(np.float64)
+            g = grad.asnumpy()
+            rows = (np.flatnonzero(np.any(g.reshape(w.shape[0], -1) != 0, axis=1))
+                    if self.lazy_rows else None)
+            m0 = mom.asnumpy().astype(np.float64) if self.momentum else None
+            w, m = sgd_step(w, g, m0, lr, wd, self.momentum, self.rescale_grad,
+                            self.clip_gradient, rows=rows)
+            if self.momentum:
+                mom[:] = m.astype(mom.dtype)
+            target[:] = w.astype(target.dtype)
+            if mp:
+                weight[:] = target.asnumpy().astype(weight.dtype)
+
+        update = update_multi_precision
+
+    return NumpySGD
+
+
+def NumpySGD(**kwargs):    # noqa: N802  (a class, built when first used: it needs mxnet)
+    return _numpy_sgd()(**kwargs)

@@ -24,7 +24,7 @@ OPTIMIZERS = [
 
 def gluon_steps(net, trainer, begin, end):
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    scaler = getattr(trainer._optimizer, 'loss_scaler', None)
+    scaler = getattr(trainer.optimizer, 'loss_scaler', None)
     for step in range(begin, end):
         x, y = nd.array(X[step * 32:(step + 1) * 32]), nd.array(Y[step * 32:(step + 1) * 32])
         with autograd.record():
@@ -56,8 +56,8 @@ def test_trainer_resume_bit_identical(tmp_path, name, params):
     for a, c in zip(net_a.collect_params().values(), net_c.collect_params().values()):
         np.testing.assert_array_equal(a.data().asnumpy(), c.data().asnumpy())
     if name == 'lssgd':
-        assert (trainer_c._optimizer.loss_scaler.state_dict()
-                == trainer_a._optimizer.loss_scaler.state_dict())
+        assert (trainer_c.optimizer.loss_scaler.state_dict()
+                == trainer_a.optimizer.loss_scaler.state_dict())
 
 
 def module(name, params):
@@ -207,7 +207,7 @@ def test_states_from_mxnet_builtin_lbsgd(tmp_path, batch_scale, works):
         assert not trainer._updaters[0].states
         return
     checkpoint.load_states(trainer, path)
-    assert isinstance(trainer._optimizer, mx_lbsgd.LBSGD)
+    assert isinstance(trainer.optimizer, mx_lbsgd.LBSGD)
     mom = trainer._updaters[0].states[0].asnumpy()
     if works:
         gluon_steps(net, trainer, 2, 4)
@@ -351,13 +351,13 @@ def test_v01_trainer_file_loads_and_resumes_bit_identical(tmp_path, name, params
     net_b, trainer_b = fresh_trainer(name, params)
     gluon_steps(net_b, trainer_b, 0, STEPS // 2 + 1)
     path = str(tmp_path / 'v01.states')
-    write_v01(path, trainer_b._updaters[0].states, trainer_b._optimizer, trainer_file=True)
+    write_v01(path, trainer_b._updaters[0].states, trainer_b.optimizer, trainer_file=True)
     net_b.save_parameters(str(tmp_path / 'net.params'))
     net_c, trainer_c = fresh_trainer(name, params)
     net_c.load_parameters(str(tmp_path / 'net.params'))
     checkpoint.load_states(trainer_c, path)
     _assert_states_equal(trainer_c._updaters[0].states, trainer_b._updaters[0].states)
-    opt_b, opt_c = trainer_b._optimizer, trainer_c._optimizer
+    opt_b, opt_c = trainer_b.optimizer, trainer_c.optimizer
     assert _counters(opt_c) == _counters(opt_b) != ({0: {}}, 0)
     if name == 'lssgd':
         assert opt_c.loss_scaler.state_dict() == opt_b.loss_scaler.state_dict()
@@ -366,7 +366,7 @@ def test_v01_trainer_file_loads_and_resumes_bit_identical(tmp_path, name, params
     gluon_steps(net_c, trainer_c, STEPS // 2 + 1, STEPS)
     for a, c in zip(net_a.collect_params().values(), net_c.collect_params().values()):
         np.testing.assert_array_equal(a.data().asnumpy(), c.data().asnumpy())
-    assert _counters(trainer_c._optimizer) == _counters(trainer_a._optimizer)
+    assert _counters(trainer_c.optimizer) == _counters(trainer_a.optimizer)
 
 
 @pytest.mark.parametrize('name, params', OPTIMIZERS)
@@ -400,7 +400,7 @@ def test_mxnet_load_states_on_v01_file_fails_at_next_step(tmp_path, name, params
     net_b, trainer_b = fresh_trainer(name, params)
     gluon_steps(net_b, trainer_b, 0, 3)
     path = str(tmp_path / 'v01.states')
-    write_v01(path, trainer_b._updaters[0].states, trainer_b._optimizer, trainer_file=True)
+    write_v01(path, trainer_b._updaters[0].states, trainer_b.optimizer, trainer_file=True)
     net_c, trainer_c = fresh_trainer(name, params)
     trainer_c.load_states(path)                 # MXNet's loader takes it as it is
     before = [p.data().asnumpy() for p in net_c.collect_params().values()]
@@ -428,8 +428,7 @@ def _genuine_v01_optimizer(opt, monkeypatch, step_gate_module):
     mx_lbsgd._step_gate._StepGate, the module 0.1 kept it in."""
     import types
     import uuid
-    state = dict(opt.__dict__)
-    state.pop('param_dict', None)
+    state = opt.__getstate__()
     for later in ('window_position', 'window_phase', '_plans', '_gate'):
         state.pop(later, None)
     state['_scratch'] = {}
@@ -457,7 +456,7 @@ def test_genuine_v01_optimizer_in_the_ledger_loads(tmp_path, monkeypatch, step_g
         init_scale=2.0 ** 4, growth_interval=3))
     net_b, trainer_b = fresh_trainer(name, params)
     gluon_steps(net_b, trainer_b, 0, 3)
-    proxy, ledger = _genuine_v01_optimizer(trainer_b._optimizer, monkeypatch, step_gate_module)
+    proxy, ledger = _genuine_v01_optimizer(trainer_b.optimizer, monkeypatch, step_gate_module)
     old = {key: (state if isinstance(state, tuple) else (state,)) + (ledger,)
            for key, state in trainer_b._updaters[0].states.items()}
     path = str(tmp_path / 'v01.states')
@@ -466,9 +465,9 @@ def test_genuine_v01_optimizer_in_the_ledger_loads(tmp_path, monkeypatch, step_g
     monkeypatch.delitem(__import__('sys').modules, 'mx_lbsgd._step_gate', raising=False)
     net_c, trainer_c = fresh_trainer(name, params)
     checkpoint.load_states(trainer_c, path)
-    assert _counters(trainer_c._optimizer) == _counters(trainer_b._optimizer)
-    assert (trainer_c._optimizer.loss_scaler.state_dict()
-            == trainer_b._optimizer.loss_scaler.state_dict())
+    assert _counters(trainer_c.optimizer) == _counters(trainer_b.optimizer)
+    assert (trainer_c.optimizer.loss_scaler.state_dict()
+            == trainer_b.optimizer.loss_scaler.state_dict())
 
 
 # -- loading has no global side effects -------------------------------------------------------
@@ -487,14 +486,14 @@ def test_load_states_does_not_change_the_served_scalers(tmp_path, writer):
     elif writer == 'mxnet':
         trainer_b.save_states(path)
     else:
-        write_v01(path, trainer_b._updaters[0].states, trainer_b._optimizer, trainer_file=True)
+        write_v01(path, trainer_b._updaters[0].states, trainer_b.optimizer, trainer_file=True)
     net_c, trainer_c = fresh_trainer('lssgd', params)
-    live = trainer_c._optimizer.loss_scaler
+    live = trainer_c.optimizer.loss_scaler
     assert _graph_scale.served(key) is live
     before = dict(_graph_scale._SCALERS)
     checkpoint.load_states(trainer_c, path)
     assert set(_graph_scale._SCALERS) == set(before)
     for k, scaler in before.items():
         assert _graph_scale._SCALERS[k] is scaler, k
-    assert trainer_c._optimizer.loss_scaler is live          # loaded in place
-    assert live.state_dict() == trainer_b._optimizer.loss_scaler.state_dict()
+    assert trainer_c.optimizer.loss_scaler is live          # loaded in place
+    assert live.state_dict() == trainer_b.optimizer.loss_scaler.state_dict()

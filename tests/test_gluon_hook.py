@@ -83,7 +83,7 @@ def test_skipped_step_changes_nothing():
     net, trainer, scaling, _, _ = run(3, dict(scaler=64.0, force=True))
     before = weights(net)
     states = [s.asnumpy() for s in trainer._updaters[0].states.values()]
-    num_update = trainer._optimizer.num_update
+    num_update = trainer.optimizer.num_update
     for p in net.collect_params().values():
         p.grad()[:] = 1.0
     next(iter(net.collect_params().values())).grad()[0] = np.inf
@@ -91,7 +91,7 @@ def test_skipped_step_changes_nothing():
     assert all(np.array_equal(a, b) for a, b in zip(before, weights(net)))
     assert all(np.array_equal(a, s.asnumpy())
                for a, s in zip(states, trainer._updaters[0].states.values()))
-    assert trainer._optimizer.num_update == num_update
+    assert trainer.optimizer.num_update == num_update
 
 
 def test_overflow_on_one_device_skips_everywhere():

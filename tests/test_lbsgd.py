@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import mx_lbsgd
+from mx_lbsgd import _kernels
 from mx_lbsgd.counting import count_host_syncs
 from harness import NAMES, SHAPES, make_problem, run_optimizer
 from reference import LBSGDReference
@@ -22,6 +23,13 @@ CASES = [
     for d, m, s, b, f in itertools.product(DTYPES, (0.0, 0.9), mx_lbsgd.WARMUP_STRATEGIES,
                                            (1, 4), (True, False, None))
 ]
+# LARS combined with every warmup shape: lr * warmup multiplier * trust ratio
+LARS_WARMUP_CASES = [
+    pytest.param(dict(dtype=d, momentum=m, strategy=s, B=b, fused=f, lars=True),
+                 id='%s-mom%s-lars+%s-B%d-%s' % (d, m, s, b, PATH_IDS[f]))
+    for d, m, s, b, f in itertools.product(DTYPES, (0.0, 0.9), mx_lbsgd.schedules.WARMUP_SHAPES,
+                                           (1, 4), (True, False, None))
+]
 
 OPT_ARGS = dict(learning_rate=0.1, wd=1e-3, rescale_grad=0.5, clip_gradient=0.04,
                 warmup_epochs=3, updates_per_epoch=2, lars_eta=0.02)
@@ -36,7 +44,7 @@ def compare_with_reference(case, steps=8, shapes=SHAPES, names=NAMES, **extra):
         grads = [[g.astype(np.float16) for g in step] for step in grads]
     opt = mx_lbsgd.LBSGD(momentum=case['momentum'], warmup_strategy=case['strategy'],
                          batch_scale=case['B'], multi_precision=mp, fused=case['fused'],
-                         param_idx2name=dict(enumerate(names)), **args)
+                         lars=case.get('lars'), param_idx2name=dict(enumerate(names)), **args)
     with count_host_syncs(include_waitall=False) as syncs:
         got, updater, w_nd = run_optimizer(opt, weights, grads, dtype, read=False)
     assert syncs == [], 'the update read values back to the host'
@@ -49,7 +57,8 @@ def compare_with_reference(case, steps=8, shapes=SHAPES, names=NAMES, **extra):
                          eta=args['lars_eta'], eps=args.get('lars_eps', 0.0),
                          lars_min=args.get('lars_min', 0.0),
                          lars_max=args.get('lars_max', np.inf), wd_mults=_wd_mults(names),
-                         exclude=tuple(args.get('lars_exclude', ('bias', 'gamma', 'beta'))))
+                         exclude=tuple(args.get('lars_exclude', ('bias', 'gamma', 'beta'))),
+                         lars=case.get('lars'))
     for step in grads:
         ref.step(step)
     for i, (w, r) in enumerate(zip(got, ref.w)):
@@ -69,9 +78,27 @@ def _wd_mults(names):
     return {n: 0.0 for n in names if not n.endswith(('_weight', '_gamma'))}
 
 
-@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('case', CASES + LARS_WARMUP_CASES)
 def test_matches_numpy_reference(case):
     compare_with_reference(case)
+
+
+@pytest.mark.parametrize('shape', list(mx_lbsgd.schedules.WARMUP_SHAPES))
+def test_lars_with_warmup_differs_from_either_alone(shape):
+    """The combination is not silently one of its parts."""
+    case = dict(dtype='fp32', momentum=0.9, strategy=shape, B=4, fused=None)
+    combined, _ = compare_with_reference(dict(case, lars=True))
+    warmup_only, _ = compare_with_reference(case)
+    lars_only, _ = compare_with_reference(dict(case, strategy='lars'))
+    for other in (warmup_only, lars_only):
+        assert any(not np.allclose(a, b, rtol=1e-4) for a, b in zip(combined, other))
+
+
+def test_lars_false_contradicts_the_lars_strategy():
+    with pytest.raises(ValueError, match="lars=False contradicts warmup_strategy='lars'"):
+        mx_lbsgd.LBSGD(warmup_strategy='lars', lars=False)
+    with pytest.raises(ValueError, match=r"lars=1 is not supported; expected one of"):
+        mx_lbsgd.LBSGD(lars=1)
 
 
 @pytest.mark.parametrize('fused', PATHS)
@@ -111,10 +138,10 @@ MIXED_NAMES = ['fc0_weight', 'fc0_bias', 'conv0_weight', 'fc1_weight', 'emb_weig
 @pytest.mark.parametrize('dtype, B', [('fp32', 1), ('fp16mp', 4)])
 def test_routing_mixes_both_paths_in_one_step(strategy, dtype, B):
     case = dict(dtype=dtype, momentum=0.9, strategy=strategy, B=B, fused=None)
-    _, updater = compare_with_reference(case, shapes=MIXED_SHAPES, names=MIXED_NAMES)
-    (plan,) = updater.optimizer._plans.values()
-    kernels = {fn.__name__: sorted(pos) for fn, pos in plan['routes']}
-    assert kernels == {'_single_tensor_sgd': [0, 4], '_multi_tensor_sgd': [1, 2, 3, 5]}
+    compare_with_reference(case, shapes=MIXED_SHAPES, names=MIXED_NAMES)
+    dtype = np.float16 if dtype == 'fp16mp' else np.float32
+    assert _kernels.route([int(np.prod(s)) for s in MIXED_SHAPES], 'cpu', None, dtype) == \
+        ([0, 4], [1, 2, 3, 5])
 
 
 def test_begin_epoch_offsets_the_warmup():
@@ -223,12 +250,26 @@ def test_bad_fused_environment_variable(monkeypatch):
         mx_lbsgd.LBSGD()
 
 
-def test_lars_exclude_from_gluon_param_dict_and_callable():
+@pytest.mark.parametrize('exclude, applied', [
+    pytest.param(None, [True, False], id='default-bias'),
+    pytest.param(['weight'], [False, True], id='suffixes'),
+    pytest.param(lambda name: True, [False, False], id='callable')])
+@pytest.mark.parametrize('strategy', ['lars', 'linear'])
+def test_lars_exclude_names_from_gluon_param_dict(exclude, applied, strategy):
+    """An excluded layer moves by lr * g (ratio 1); a LARS layer by lr * ratio * g."""
     net = mx.gluon.nn.Dense(4, in_units=3)
     net.initialize(mx.init.Uniform(1.0))
     params = list(net.collect_params().values())   # weight, bias
-    for exclude, applied in [(None, [True, False]), (['weight'], [False, True]),
-                             (lambda name: True, [False, False])]:
-        opt = mx_lbsgd.LBSGD(warmup_strategy='lars', lars_exclude=exclude)
-        opt.param_dict = dict(enumerate(params))
-        assert [opt._lars_applies(i) for i in range(2)] == applied
+    params[1].set_data(mx.nd.ones((4,)))
+    trainer = mx.gluon.Trainer(params, mx_lbsgd.LBSGD(
+        warmup_strategy=strategy, lars=True, lars_exclude=exclude, learning_rate=0.5,
+        warmup_epochs=0), kvstore=None)
+    before = [p.data().asnumpy() for p in params]
+    with mx.autograd.record():
+        loss = net(mx.nd.ones((2, 3))).sum()
+    loss.backward()
+    grads = [p.grad().asnumpy() for p in params]
+    trainer.step(1)
+    plain = [np.allclose(p.data().asnumpy(), w - 0.5 * g, rtol=1e-5)
+             for p, w, g in zip(params, before, grads)]
+    assert plain == [not a for a in applied]

@@ -46,7 +46,7 @@ def run(params, ctxs, optimizer, opt_params, steps, inject=(), kvstore='device')
     gradient after backward. An unscaled optimizer simply does not step there."""
     trainer = gluon.Trainer(params, optimizer, opt_params, kvstore=kvstore,
                             update_on_kvstore=False if kvstore else None)
-    scaler = getattr(trainer._optimizer, 'loss_scaler', None)
+    scaler = getattr(trainer.optimizer, 'loss_scaler', None)
     scales, skipped = [], []
     for step in range(steps):
         backward(params, ctxs, step, scaler.scale if scaler else 1.0)
@@ -58,7 +58,7 @@ def run(params, ctxs, optimizer, opt_params, steps, inject=(), kvstore='device')
         trainer.step(1)
         if scaler:
             scales.append(scaler.scale)
-            skipped.append(trainer._optimizer.last_step_skipped)
+            skipped.append(trainer.optimizer.last_step_skipped)
     return trainer, scales, skipped
 
 
@@ -163,7 +163,7 @@ def test_one_host_sync_per_step():
     params = make_params(12, ['float16', 'float32'], CTX2)
     trainer = gluon.Trainer(params, 'lssgd', dict(SGD, multi_precision=True), kvstore=None)
     for step in range(4):
-        backward(params, CTX2, step, trainer._optimizer.loss_scaler.scale)
+        backward(params, CTX2, step, trainer.optimizer.loss_scaler.scale)
         with count_host_syncs(include_waitall=False) as calls:
             trainer.step(1)
         assert calls == ['asscalar'], calls
@@ -179,10 +179,10 @@ def test_count_skipped_steps(count, expected_num_update):
     trainer, _, skipped = run(params, CTX2[:1], 'lssgd',
                               dict(SGD, lr_scheduler=sched, count_skipped_steps=count),
                               6, {1: (0, 0, np.inf), 2: (3, 0, np.nan)}, None)
-    opt = trainer._optimizer
+    opt = trainer.optimizer
     assert skipped == [False, True, True, False, False, False]
     assert opt.num_update == expected_num_update
-    assert max(opt._index_update_count.values()) == 4
+    assert opt.micro_batches == 4
 
 
 def test_skip_leaves_weights_momentum_and_master_untouched():
@@ -192,10 +192,10 @@ def test_skip_leaves_weights_momentum_and_master_untouched():
     snapshot = lambda: ([w for w in weights(params)]    # noqa: E731
                         + [a.asnumpy() for s in states.values() for a in s if isinstance(a, nd.NDArray)])
     before = snapshot()
-    backward(params, CTX2[:1], 2, trainer._optimizer.loss_scaler.scale)
+    backward(params, CTX2[:1], 2, trainer.optimizer.loss_scaler.scale)
     params[4].list_grad()[0][:] = np.inf
     trainer.step(1)
-    assert trainer._optimizer.last_step_skipped
+    assert trainer.optimizer.last_step_skipped
     for a, b in zip(before, snapshot()):
         np.testing.assert_array_equal(a, b)
 
@@ -246,7 +246,7 @@ def test_state_round_trip_through_trainer_save_states(tmp_path):
 
     def steps(params, trainer, begin, end):
         for step in range(begin, end):
-            backward(params, CTX2[:1], step, trainer._optimizer.loss_scaler.scale)
+            backward(params, CTX2[:1], step, trainer.optimizer.loss_scaler.scale)
             if step in inject:
                 params[0].list_grad()[0][:] = np.inf
             trainer.step(1)
@@ -255,20 +255,20 @@ def test_state_round_trip_through_trainer_save_states(tmp_path):
     steps(params_a, trainer_a, 0, 8)
     params_b, trainer_b = fresh()
     steps(params_b, trainer_b, 0, 4)
-    assert trainer_b._optimizer.loss_scaler.num_good_steps == 2     # inside the window
+    assert trainer_b.optimizer.loss_scaler.num_good_steps == 2     # inside the window
     path = str(tmp_path / 'trainer.states')
     trainer_b.save_states(path)
     params_c, trainer_c = fresh()
     for pc, pb in zip(params_c, params_b):
         pc.set_data(pb.data())
     trainer_c.load_states(path)
-    assert trainer_c._optimizer.loss_scaler.state_dict() == \
-        trainer_b._optimizer.loss_scaler.state_dict()
+    assert trainer_c.optimizer.loss_scaler.state_dict() == \
+        trainer_b.optimizer.loss_scaler.state_dict()
     steps(params_c, trainer_c, 4, 8)
     for a, c in zip(weights(params_a), weights(params_c)):
         np.testing.assert_array_equal(a, c)
-    assert trainer_c._optimizer.loss_scaler.state_dict() == \
-        trainer_a._optimizer.loss_scaler.state_dict()
+    assert trainer_c.optimizer.loss_scaler.state_dict() == \
+        trainer_a.optimizer.loss_scaler.state_dict()
 
 
 def test_pickle_keeps_scaler_and_refuses_kvstore_protocol():
@@ -337,7 +337,7 @@ def _subset_steps(optimizer):
     trainer = gluon.Trainer(params, optimizer, {'learning_rate': 1.0}, kvstore=None)
     history = []
     for use_b, g in ((True, 1.0), (False, 1.0), (True, 10.0)):
-        scaler = getattr(trainer._optimizer, 'loss_scaler', None)
+        scaler = getattr(trainer.optimizer, 'loss_scaler', None)
         with autograd.record():
             out = a(nd.ones((1, 2)) * g).sum()
             if use_b:
@@ -421,7 +421,7 @@ def test_module_path_warmup_skips_overflow_steps(B, count):
         np.testing.assert_allclose(w.asnumpy(), r, rtol=1e-5, atol=1e-6)
     applied = steps - len(overflow)
     assert scaler.total_skipped == len(overflow) and scaler.total_steps == steps
-    assert max(opt._index_update_count.values()) == applied     # the warmup position
+    assert opt.micro_batches == applied     # the warmup position
     assert opt.num_update == (steps if count else applied)
 
 
@@ -489,7 +489,7 @@ def test_trainer_warmup_continues_from_the_last_applied_window(B, count, inject,
         for d in p.list_data():
             np.testing.assert_allclose(d.asnumpy(), w, rtol=2e-5, atol=2e-5)
     applied = steps - len(dropped)
-    assert max(opt._index_update_count.values()) == applied
+    assert opt.micro_batches == applied
     assert opt.num_update == (steps if count else applied)
 
 

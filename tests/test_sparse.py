@@ -15,7 +15,7 @@ from mxnet.test_utils import compare_optimizer
 import mx_lbsgd
 import sparse_dist_worker
 from mx_lbsgd.launch import launch
-from sgd_reference import NumpySGD, lazy_sgd_rows
+from reference import NumpySGD, lazy_sgd_rows
 from reference import lars_factor
 
 # MXNet 1.9.1 tests/python/unittest/test_optimizer.py::test_sgd, as data

@@ -13,7 +13,7 @@ ARGS = dict(learning_rate=0.1, momentum=0.9, wd=1e-3, warmup_epochs=1, updates_p
 
 
 def run(ctxs, strategy, B, steps, dtype='float32', kvstore='device', inject=None,
-        scaler=None):
+        scaler=None, lars=None):
     rng = np.random.RandomState(0)
     params = [gluon.Parameter('l%d_%s' % (i, 'bias' if i % 2 else 'weight'),
                               shape=(3 + i,), dtype=dtype) for i in range(4)]
@@ -23,7 +23,7 @@ def run(ctxs, strategy, B, steps, dtype='float32', kvstore='device', inject=None
         p.set_data(nd.array(w).astype(dtype))
     trainer = gluon.Trainer(params, 'lbsgd', dict(
         ARGS, warmup_strategy=strategy, batch_scale=B, multi_precision=dtype == 'float16',
-        loss_scaler=scaler), kvstore=kvstore, update_on_kvstore=False if kvstore else None)
+        loss_scaler=scaler, lars=lars), kvstore=kvstore, update_on_kvstore=False if kvstore else None)
     mx_lbsgd.init_kvstore(trainer, 8)
     pushes = []
     kv = trainer._kvstore
@@ -46,17 +46,22 @@ def run(ctxs, strategy, B, steps, dtype='float32', kvstore='device', inject=None
     return params, start, grads, pushes, trainer
 
 
-@pytest.mark.parametrize('strategy', mx_lbsgd.WARMUP_STRATEGIES)
+STRATEGIES = [pytest.param(s, None, id=s) for s in mx_lbsgd.WARMUP_STRATEGIES] + [
+    pytest.param(s, True, id='lars+' + s) for s in mx_lbsgd.schedules.WARMUP_SHAPES]
+
+
+@pytest.mark.parametrize('strategy, lars', STRATEGIES)
 @pytest.mark.parametrize('ctxs, kvstore', [pytest.param(CTX2[:1], None, id='1dev'),
                                            pytest.param(CTX2, 'device', id='2dev-device')])
 @pytest.mark.parametrize('dtype', ['float32', 'float16'])
-def test_window_equals_reference_and_reduces_once(strategy, ctxs, kvstore, dtype):
+def test_window_equals_reference_and_reduces_once(strategy, lars, ctxs, kvstore, dtype):
     B, steps = 4, 12
-    params, start, grads, pushes, trainer = run(ctxs, strategy, B, steps, dtype, kvstore)
+    params, start, grads, pushes, trainer = run(ctxs, strategy, B, steps, dtype, kvstore,
+                                                lars=lars)
     names = [p.name for p in params]
     ref = LBSGDReference([w.astype(dtype) for w in start], names, lr=0.1, wd=1e-3,
                          momentum=0.9, strategy=strategy, B=B, warmup_epochs=1,
-                         updates_per_epoch=6, rescale=1 / 8.)
+                         updates_per_epoch=6, rescale=1 / 8., lars=lars)
     for g in grads:
         ref.step(g)
     tol = 2e-2 if dtype == 'float16' else 2e-5

@@ -1,0 +1,141 @@
+"""The step protocol: one object binds a gluon Trainer to an mx_lbsgd optimizer.
+
+A `TrainerBinding` routes the Trainer's reduction and update (`_compat.wrap_trainer_step`)
+and owns what happens between them::
+
+    trainer.step(batch_size)
+      reduce:  refuse a kvstore that updates the weights (loss scaling)
+               window: micro-batch < B: sum it locally into the accumulators, do not reduce
+                       micro-batch = B: write the window's mean into the gradients, reduce
+      update:  optimizer.begin_step(every fresh gradient, closes_window)   # the event
+               then MXNet's per-device Updaters call optimizer.update_multi_precision
+
+The optimizer learns nothing from attribute writes: it gets `begin_step`. The window's
+position is the binding's explicit state (`progress`/`load_progress`, saved by
+`mx_lbsgd.checkpoint`). A Trainer is bound at its first step (or by `bind`), once.
+"""
+import weakref
+
+from . import _compat
+from ._window import TrainerWindow
+
+_BINDINGS = weakref.WeakKeyDictionary()
+
+
+def bind(trainer, window=True):
+    """The Trainer's binding, created on first use. window=False reduces every micro-batch
+    from now on (the optimizer accumulates after the reduction)."""
+    binding = _BINDINGS.get(trainer)
+    if binding is None:
+        binding = _BINDINGS[trainer] = TrainerBinding(trainer)
+    if not window:
+        binding.window_at_reduction = False
+    return binding
+
+
+def bound(trainer):
+    """The Trainer's binding, or None."""
+    return _BINDINGS.get(trainer)
+
+
+class TrainerBinding:
+    def __init__(self, trainer):
+        self._trainer = weakref.ref(trainer)
+        self.window_at_reduction = True
+        self.window = TrainerWindow()
+        self._closes = None        # what the last reduction did to the window
+        self._accs = {}            # id(state) -> (state, accumulator): split once per state
+        self._sparse = _compat.has_sparse_gradients(trainer)
+        _refuse_dist_sparse_gradients(trainer)
+        _compat.wrap_trainer_step(trainer, self._reduce, self._update)
+
+    def _optimizer(self):
+        opt = self._trainer().optimizer
+        return opt if hasattr(opt, 'begin_step') else None
+
+    def _reduce(self, original):
+        trainer, opt = self._trainer(), self._optimizer()
+        self._closes = None
+        if opt is None:
+            return original()
+        if _compat.trainer_updates_on_kvstore(trainer):
+            opt.refuse_updates_on_kvstore()
+            return original()
+        if not (self.window_at_reduction and opt.accumulates_at_trainer()) or self._sparse:
+            # sparse gradients: MXNet's Trainer pushes and pulls them separately, row by
+            # row; they are accumulated after that reduction, by the optimizer
+            return original()
+        grads, accs = self._buffers(trainer, opt)
+        self._closes = self.window.add(accs=accs, grads=grads, factor=opt.rescale_grad,
+                                       size=opt.batch_scale)
+        return original() if self._closes else None
+
+    def _update(self, original, *args, **kwargs):
+        opt = self._optimizer()
+        if opt is not None:
+            trainer = self._trainer()
+            if _compat.trainer_updates_on_kvstore(trainer):
+                opt.refuse_updates_on_kvstore()
+            fresh = (_compat.fresh_gradients(opt.param_dict)
+                     if opt.wants_step_gradients() else None)
+            opt.begin_step(fresh, self._closes)
+        self._closes = None
+        return original(*args, **kwargs)
+
+    def _buffers(self, trainer, opt):
+        """The fresh gradients and their accumulators (created in the Updater's states when
+        the Updater has not created them yet), device by device."""
+        grads, accs, used, missed = [], [], {}, False
+        updaters = _compat.trainer_updaters(trainer)
+        for i, param in enumerate(_compat.trainer_params(trainer)):
+            if param.grad_req == 'null':
+                continue
+            for updater, weight, grad in zip(updaters, param.list_data(), param.list_grad()):
+                if not _compat.is_fresh(weight):
+                    continue
+                weight, grad = _compat.legacy(weight), _compat.legacy(grad)
+                state = _compat.updater_state(updater, i, weight)
+                cached = self._accs.get(id(state))
+                if cached is None or cached[0] is not state:
+                    cached = (state, opt.split_state(weight, state)[2])
+                    missed = True
+                used[id(state)] = cached
+                grads.append(grad)
+                accs.append(cached[1])
+        if missed:                   # states were created or replaced (load_states)
+            self._accs = used
+        return grads, accs
+
+    def progress(self):
+        return {'window_position': self.window.position}
+
+    def load_progress(self, progress):
+        """Files without a window position (MXNet's, mx_lbsgd 0.1's, a Module's) accumulated
+        in the optimizer: their counters say where the window is."""
+        opt = self._optimizer()
+        if 'window_position' in progress:
+            self.window.position = int(progress['window_position'])
+        elif opt is not None:
+            self.window.position = opt.micro_batches % opt.batch_scale
+
+
+def _refuse_dist_sparse_gradients(trainer):
+    """Checked when a Trainer is bound (its first step), before its kvstore exists."""
+    kind = _compat.trainer_kvstore_type(trainer)
+    if kind and kind.startswith('dist'):
+        refuse_sparse_gradients_on_servers(_compat.dense_weights_with_sparse_gradients(trainer),
+                                           kind, type(trainer.optimizer).__name__)
+
+
+def refuse_sparse_gradients_on_servers(names, kind, owner):
+    """Dense weights with row_sparse gradients on a dist kvstore: MXNet 1.9.1 pushes the
+    sparse gradients into keys initialized dense, and the server aborts ("copying size
+    mismatch"; with mx.optimizer.SGD too). Refuse before anything is sent (Gluon: here;
+    Module: when its optimizer is pickled for the servers)."""
+    if names:
+        raise ValueError(
+            '%s: parameter(s) %s have dense weights and row_sparse gradients '
+            "(Embedding(sparse_grad=True)), which MXNet 1.9.1's %r kvstore cannot reduce (its "
+            'server aborts, with mx.optimizer.SGD too). Use gluon.contrib.nn.SparseEmbedding '
+            "(row_sparse weights, updated on the servers), sparse_grad=False, or a 'local' or "
+            "'device' kvstore" % (owner, ', '.join(map(repr, names)), kind))

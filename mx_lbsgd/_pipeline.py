@@ -1,0 +1,377 @@
+"""The optimizer shell: MXNet's `Optimizer` interface over one update pipeline.
+
+Every call of the Updater runs::
+
+    gate (loss scaling) -> accumulate -> lr multipliers -> kernel family
+      finite check,        window,        warmup x          single-tensor, multi-tensor
+      skip decision,       in the         trust ratio       or sparse kernels of the
+      1/scale folded       optimizer or   (LARS)            preset's family (`_sgd`)
+      into rescale_grad    at a Trainer
+
+A preset (`LBSGD`, `LossScaledSGD`) checks its arguments and chooses the pieces: a kernel
+family, a `Warmup`, a `TrustRatio` or None. The shell keeps MXNet's bookkeeping (lr, wd,
+multipliers, update counts), the state layout (the family's, with an fp32 accumulator
+appended when ``batch_scale > 1``), checkpoint progress and pickling.
+
+Step protocol: under a gluon Trainer, `_binding` calls `begin_step` before the Updater runs
+(the shell never infers a step from attribute writes); Module and bare Updaters call
+`update_multi_precision` only, and the gate finds step boundaries itself.
+"""
+import os
+import warnings
+
+import numpy as np
+import mxnet as mx
+from mxnet import nd
+
+from . import _binding, _compat, _graph_scale, _kernels, _legacy, _scaling
+from ._checks import check_choice, check_real
+from ._window import InOptimizerWindow
+
+
+class PipelineOptimizer(mx.optimizer.Optimizer):
+    """Base of mx_lbsgd's optimizers; see the module docstring. Subclasses set
+    ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`."""
+
+    #: attributes that are rebuilt, never pickled
+    _TRANSIENT = ('_scratch', '_plans', '_gate', '_ledger', '_family', '_warmup', '_trust',
+                  '_accumulator', '_step_window')
+
+    def __init__(self, *, batch_scale, fused, loss_scaler, count_skipped_steps, scale_key,
+                 multi_precision, **kwargs):
+        check_choice('fused', fused, (None, True, False))
+        for name in ('learning_rate', 'wd', 'rescale_grad', 'clip_gradient'):
+            if kwargs.get(name) is not None:
+                check_real(name, kwargs[name])
+        if loss_scaler is not None and _compat.creating_module_updates_on_kvstore():
+            _scaling.refuse_kvstore_updates(type(self).__name__)
+        super().__init__(multi_precision=multi_precision, **kwargs)
+        self.batch_scale = int(batch_scale)
+        self.fused = _fused_from_env(fused)
+        self.loss_scaler = loss_scaler
+        self.count_skipped_steps = bool(count_skipped_steps)
+        self.scale_key = str(scale_key)
+        # the Updater hands over every parameter of a dtype at once; kernels chunk by 60
+        self.aggregate_num = 1 << 30
+        if loss_scaler is not None:
+            _graph_scale.serve(self.scale_key, loss_scaler)
+
+    def _build_pieces(self):
+        self._scratch, self._plans = {}, {}
+        self._gate = _scaling._StepGate(self.fused)
+        self._ledger = _scaling.SkipLedger(self.count_skipped_steps)
+        self._ledger.skipped_updates = self.__dict__.pop('_skipped_updates', 0)
+        self.__dict__.pop('last_step_skipped', None)     # pickled as a plain value
+        self._accumulator = InOptimizerWindow(self.batch_scale)
+        self._step_window = None   # None, or whether this step closes a Trainer's window
+
+    @property
+    def last_step_skipped(self):
+        """Whether the last step was skipped (an overflow with loss scaling)."""
+        return self._ledger.last_step_skipped
+
+    # -- the step protocol (called by `_binding`) ---------------------------------------
+    @property
+    def rescale_grad(self):
+        return self._rescale_grad
+
+    @rescale_grad.setter
+    def rescale_grad(self, value):
+        self._rescale_grad = value
+        # gluon.Trainer.step/update set rescale_grad before they reduce or update: the one
+        # moment MXNet gives an optimizer to learn its Trainer. Binding is idempotent.
+        trainer = _compat.trainer_of(getattr(self, 'param_dict', None) or {})
+        if trainer is not None and _compat.trainer_is_built(trainer):
+            _binding.bind(trainer)
+
+    def begin_step(self, gradients, closes_window=None):
+        """A Trainer step starts. `gradients`: every fresh gradient of the step, on every
+        device (the loss-scale gate decides over them at once). `closes_window`: None when
+        this optimizer accumulates itself; False when the Trainer summed this micro-batch
+        locally (count it, apply nothing); True when the Trainer reduced the window's
+        mean (apply it as one step)."""
+        self._step_window = closes_window
+        if self.loss_scaler is not None:
+            self._gate.new_step(gradients)
+
+    def wants_step_gradients(self):
+        """Whether `begin_step` needs the step's gradients (listing them costs a pass)."""
+        return self.loss_scaler is not None
+
+    def accumulates_at_trainer(self):
+        """Whether a Trainer should keep this optimizer's window at its reduction."""
+        return self.batch_scale > 1
+
+    def refuse_updates_on_kvstore(self):
+        if self.loss_scaler is not None:
+            _scaling.refuse_kvstore_updates(type(self).__name__)
+
+    # -- state ------------------------------------------------------------------------
+    def _uses_master(self, weight):
+        return self.multi_precision and weight.dtype == np.float16
+
+    def create_state(self, index, weight):
+        if weight.dtype == np.float16 and self.batch_scale > 1:
+            raise ValueError('batch_scale=%d with float16 weights needs multi_precision=True:'
+                             ' the float32 accumulated gradient updates the float32 master '
+                             'copy' % self.batch_scale)
+        return self._make_state(index, weight, weight.dtype, master=None)
+
+    def create_state_multi_precision(self, index, weight):
+        self._gate.created((weight.context, index))
+        if self._uses_master(weight):
+            return self._make_state(index, weight, np.float32,
+                                    master=weight.astype(np.float32))
+        state = self.create_state(index, weight)
+        if weight.dtype == np.float16:
+            warnings.warn('Accumulating with float16 in optimizer can lead to poor accuracy '
+                          'or slow convergence. Consider multi_precision=True.')
+        return state
+
+    def _make_state(self, index, weight, dtype, master):
+        """The family's layout, then an accumulator when batch_scale > 1 (row_sparse for a
+        gluon Parameter with a row_sparse gradient)."""
+        base = self._family.make_state(weight, dtype, master)
+        if self.batch_scale == 1:
+            return base
+        param = self.param_dict.get(index)
+        acc = nd.zeros(weight.shape, weight.context,
+                       dtype=np.promote_types(weight.dtype, np.float32),
+                       stype='row_sparse' if param is not None
+                       and _compat.grad_stype(param) == 'row_sparse' else 'default')
+        return (base if isinstance(base, tuple) else (base,)) + (acc,)
+
+    def split_state(self, weight, state):
+        """(family state, master copy or None, accumulator or None) of a state in this
+        optimizer's layout; states of MXNet's own optimizer fit it at batch_scale=1."""
+        master = self._uses_master(weight)
+        parts = state if isinstance(state, tuple) else (state,)
+        if parts and isinstance(parts[-1], _legacy.Ledger):
+            raise ValueError(_legacy.LEDGER_IN_STATE)
+        acc = None
+        if self.batch_scale > 1 and len(parts) >= 2:
+            acc, parts = parts[-1], parts[:-1]
+        split = None
+        if acc is not None or self.batch_scale == 1:
+            split = self._family.split(parts[0] if len(parts) == 1 else parts, master)
+        if split is None:
+            raise ValueError(
+                'optimizer state of shape %s does not fit %s(%s, multi_precision=%s, '
+                'batch_scale=%d): it holds %d arrays. States written by MXNet\'s %s load '
+                'with batch_scale=1 and the same settings; otherwise start from fresh '
+                'optimizer states (skip load_states / load_optimizer_states)'
+                % (weight.shape, type(self).__name__, self._family.describe(),
+                   self.multi_precision, self.batch_scale,
+                   len(state) if isinstance(state, tuple) else 1, self._family.name))
+        return split[0], split[1], acc
+
+    # -- progress, for checkpoints (`checkpoint` reads and restores it) -----------------
+    def progress(self):
+        """What resuming bit for bit needs besides the per-parameter states: counters and
+        the loss-scaler state (plain Python values)."""
+        counts, _ = _compat.update_counts(self)
+        return {'index_update_counts': {k: dict(v) for k, v in counts.items()},
+                'num_update': self.num_update, 'skipped_updates': self._ledger.skipped_updates,
+                'loss_scaler': (None if self.loss_scaler is None
+                                else self.loss_scaler.state_dict())}
+
+    def load_progress(self, progress):
+        """Resume `progress()` in place (objects that hold this optimizer's scaler keep
+        seeing the live one)."""
+        if self.loss_scaler is not None and progress.get('loss_scaler') is not None:
+            self.loss_scaler.load_state_dict(progress['loss_scaler'])
+        _compat.set_update_counts(self, progress['index_update_counts'])
+        self.num_update = int(progress['num_update'])
+        self._ledger.skipped_updates = int(progress.get('skipped_updates', 0))
+
+    @property
+    def micro_batches(self):
+        """Micro-batches counted so far (a skipped window is not counted): the warmup
+        position, without ``begin_epoch * updates_per_epoch``."""
+        _, counts = _compat.update_counts(self)
+        return max(counts.values(), default=self.begin_num_update) - self.begin_num_update
+
+    @property
+    def applied_updates(self):
+        """Updates that changed the weights: ``micro_batches // batch_scale``."""
+        return self.micro_batches // self.batch_scale
+
+    def lr_multiplier(self, position=None):
+        """The warmup learning-rate multiplier at micro-batch `position` (default: the last
+        one counted, `micro_batches`); a trust ratio multiplies it per layer."""
+        return self._warmup.multiplier(self.micro_batches if position is None else position)
+
+    # -- update -----------------------------------------------------------------------
+    def _name(self, index):
+        if index in self.param_dict:
+            return self.param_dict[index].name
+        if not self.param_dict and not self.idx2name:
+            return None
+        return self.idx2name.get(index, str(index))
+
+    def update(self, index, weight, grad, state):
+        self.update_multi_precision(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        if not isinstance(index, (list, tuple)):
+            index, weight, grad, state = [index], [weight], [grad], [state]
+        self._plan(index, weight, grad, state)    # validates states and names first
+        if self._step_window is False:
+            self._update_count(index)      # summed at the Trainer; nothing to apply yet
+            self._ledger.last_step_skipped = False
+            return
+        if self.loss_scaler is None:
+            self._apply(index, weight, grad, state, unscale=1.0)
+            return
+        if isinstance(index[0], str):     # Module's kvstore updater passes parameter names
+            _scaling.refuse_kvstore_updates(type(self).__name__)
+        runs = self._gate.submit([(w.context, i) for i, w in zip(index, weight)], grad,
+                                 (index, weight, grad, state), self.loss_scaler,
+                                 self._gradient_scale())
+        window = self.batch_scale if self._step_window else 1
+        for call, apply_ in runs:
+            self._ledger.last_step_skipped = not apply_
+            if apply_:
+                self._apply(*call, unscale=_scaling.unscale_factor(self._gate.scale))
+            elif window > 1:
+                _, counts = _compat.update_counts(self)
+                for i in call[0]:
+                    counts[i] -= window - 1
+        if runs and self._gate.take_skip():
+            self.num_update = self._ledger.skipped(self.num_update, window)
+        _graph_scale.serve(self.scale_key, self.loss_scaler)
+
+    def _gradient_scale(self):
+        """The scale this step's gradients carry: Gluon scales the loss by the optimizer's
+        scaler; a Module graph by the scaler its scale_gradient op was served when backward
+        ran (another optimizer's, right after Module.load_optimizer_states)."""
+        if self.param_dict:
+            return self.loss_scaler.scale
+        return _graph_scale.served(self.scale_key, self.loss_scaler).scale
+
+    def _update_count(self, index):
+        super()._update_count(index)
+        _, counts = _compat.update_counts(self)
+        self.num_update = self._ledger.counted(self.num_update,
+                                               max(counts[i] for i in index))
+
+    def _plan(self, index, weight, grad, state):
+        """Per call signature, computed once: the state parts, the kernel routes (tensors
+        with non-default storage go one by one through the family's sparse kernel) and the
+        trust-ratio exclusions (states are re-split when the Updater's state objects
+        change)."""
+        key = (weight[0].context, tuple(index))
+        plan = self._plans.get(key)
+        if plan is not None and all(a is b for a, b in zip(plan['state'], state)):
+            return plan
+        parts = [self.split_state(w, s) for w, s in zip(weight, state)]
+        sparse = [j for j, (w, g) in enumerate(zip(weight, grad))
+                  if w.stype != 'default' or g.stype != 'default']
+        if sparse and not self._family.supports_sparse:
+            raise ValueError(self._family.sparse_refusal(
+                [self._name(index[j]) or index[j] for j in sparse]))
+        dense = [j for j in range(len(weight)) if j not in sparse]
+        groups = {}
+        for j in dense:
+            groups.setdefault((weight[j].dtype, parts[j][1] is None), []).append(j)
+        family = self._family
+        routes = []
+        for members in groups.values():
+            single, multi = _kernels.route([weight[j].size for j in members],
+                                           weight[0].context.device_type, self.fused,
+                                           weight[members[0]].dtype)
+            routes += [(family.single_tensor, [members[p] for p in single]),
+                       (family.multi_tensor, [members[p] for p in multi])]
+        trust = self._trust
+        plan = {'state': list(state), 'states': [p[0] for p in parts],
+                'masters': [p[1] for p in parts], 'accs': [p[2] for p in parts],
+                'routes': [(fn, pos) for fn, pos in routes if pos], 'sparse': sparse,
+                'keep_lr': (None if trust is None else
+                            [not trust.applies(self._name(i)) for i in index])}
+        self._plans[key] = plan
+        return plan
+
+    def _apply(self, index, weight, grad, state, unscale):
+        self._update_count(index)
+        plan = self._plan(index, weight, grad, state)
+        _, counts = _compat.update_counts(self)
+        positions = [counts[i] - self.begin_num_update for i in index]
+        rescale = self.rescale_grad * unscale
+        if self.batch_scale > 1 and self._step_window is None:
+            window = self._accumulator.add(accs=plan['accs'], grads=grad, positions=positions,
+                                           factor=rescale, sparse=plan['sparse'],
+                                           scratch=self._scratch)
+            if window is None:
+                return
+            grad, rescale = window
+        lrs = self._warmup.scale_lrs(self._get_lrs(index), positions)
+        wds = self._get_wds(index)
+        keep = plan['keep_lr']
+        trust = self._trust if keep is not None and not all(keep) else None
+        for kernel, pos in plan['routes']:
+            pick = lambda seq: [seq[j] for j in pos]   # noqa: E731
+            weights, grads, masters = pick(weight), pick(grad), pick(plan['masters'])
+            lr_vector = None
+            if trust is not None:
+                lr_vector = trust.lr_vector(
+                    weights=[m if m is not None else w for w, m in zip(weights, masters)],
+                    grads=grads, lrs=pick(lrs), wds=pick(wds), keep_lr=pick(keep),
+                    rescale_grad=rescale)
+            self._family.run(kernel, weights=weights, grads=grads,
+                             states=pick(plan['states']), masters=masters, lrs=pick(lrs),
+                             wds=pick(wds), lr_vector=lr_vector, rescale_grad=rescale,
+                             clip_gradient=self.clip_gradient, scratch=self._scratch)
+        if plan['sparse']:
+            self._apply_sparse(plan, weight, grad, lrs, wds, rescale, trust)
+
+    def _apply_sparse(self, plan, weight, grad, lrs, wds, rescale, trust):
+        pos = plan['sparse']
+        lrs = [lrs[j] for j in pos]
+        if trust is not None:
+            for n, j in enumerate(pos):
+                if not plan['keep_lr'][j] and grad[j].stype == 'row_sparse':
+                    master = plan['masters'][j]
+                    lrs[n] *= trust.sparse_factor(
+                        weight=master if master is not None else weight[j], grad=grad[j],
+                        wd=wds[j], rescale_grad=rescale)
+        self._family.run_sparse(weights=[weight[j] for j in pos],
+                                grads=[grad[j] for j in pos],
+                                states=[plan['states'][j] for j in pos],
+                                masters=[plan['masters'][j] for j in pos], lrs=lrs,
+                                wds=[wds[j] for j in pos], rescale_grad=rescale,
+                                clip_gradient=self.clip_gradient)
+
+    # -- pickling (Trainer.save_states, kvstore servers, copies) ------------------------
+    def __getstate__(self):
+        state = super().__getstate__()
+        # param_dict is not pickled; keep its names (LARS exclusions on kvstore servers)
+        state['idx2name'] = dict(self.idx2name)
+        state['idx2name'].update((i, p.name) for i, p in self.param_dict.items())
+        for transient in self._TRANSIENT:
+            state.pop(transient, None)
+        state['_skipped_updates'] = self._ledger.skipped_updates
+        state['last_step_skipped'] = self._ledger.last_step_skipped
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(_legacy.upgrade_optimizer_state(state))
+        self._build_pieces()
+
+    def __reduce_ex__(self, protocol):
+        # kvstore.set_optimizer pickles with protocol 0 to send the optimizer to the
+        # servers of a dist kvstore, which then update key by key.
+        if protocol == 0 and self.loss_scaler is not None:
+            _scaling.refuse_kvstore_updates(type(self).__name__)
+        if protocol == 0:
+            kind, names = _compat.module_sparse_gradients_on_dist_kvstore()
+            _binding.refuse_sparse_gradients_on_servers(names, kind, type(self).__name__)
+        return super().__reduce_ex__(protocol)
+
+
+def _fused_from_env(fused):
+    """`fused`, or $MX_LBSGD_FUSED ('0' or '1') when fused is None."""
+    env = os.environ.get('MX_LBSGD_FUSED', '')
+    if fused is not None or not env:
+        return fused
+    check_choice('MX_LBSGD_FUSED', env, ('0', '1'))
+    return env == '1'

@@ -1,0 +1,165 @@
+"""The SGD kernel family: MXNet SGD's update and state layout, on three kernel paths.
+
+`_single_tensor_sgd` and `_multi_tensor_sgd` share one keyword-only signature (as torch's
+``optim/sgd.py`` kernels do); `_sparse_sgd` runs tensors with non-default storage one by one.
+Per tensor, with ``lr`` either a float or an entry of a device vector (LARS)::
+
+    mom = momentum * mom - lr * (clip(rescale_grad * g, clip_gradient) + wd * w)
+    w = w + mom                         # w: the fp32 master copy when there is one
+
+`SGDFamily` tells the optimizer shell how states are laid out (MXNet SGD's: ``mom``,
+``(mom, weight_fp32)`` or None) and runs a kernel with the family's hyperparameters. A
+kernel family is what an optimizer preset chooses; the shell's accumulation, warmup, trust
+ratio and loss-scale gate do not depend on it.
+"""
+import numpy as np
+from mxnet import nd
+
+from . import _kernels
+
+
+class SGDFamily:
+    """MXNet SGD: momentum (lr inside the buffer), weight decay added to the gradient."""
+
+    name = 'SGD'
+    supports_sparse = True
+    single_tensor = None      # set below: the module's kernels
+    multi_tensor = None
+
+    def __init__(self, momentum, lazy_update):
+        self.momentum = float(momentum)
+        self.lazy_update = bool(lazy_update)
+
+    def make_state(self, weight, dtype, master):
+        """MXNet SGD's state: mom, or (mom, weight_fp32); the momentum takes the weight's
+        storage type when lazy_update, as SGD's does."""
+        stype = weight.stype if self.lazy_update else 'default'
+        mom = (nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype)
+               if self.momentum != 0.0 else None)
+        return mom if master is None else (mom, master)
+
+    def split(self, base, with_master):
+        """(momentum or None, master or None) of an SGD state, or None when it does not fit."""
+        parts = base if isinstance(base, tuple) else (base,)
+        if len(parts) != 1 + with_master or (parts[0] is None) != (self.momentum == 0.0):
+            return None
+        return parts[0], parts[1] if with_master else None
+
+    def describe(self):
+        return 'momentum=%g' % self.momentum
+
+    def run(self, kernel, *, states, **common):
+        kernel(moms=states, momentum=self.momentum, **common)
+
+    def run_sparse(self, *, states, lrs, **common):
+        _sparse_sgd(moms=states, lrs=lrs, momentum=self.momentum,
+                    lazy_update=self.lazy_update, **common)
+
+
+def _kernel_kwargs(momentum, rescale_grad, clip_gradient):
+    kwargs = {'rescale_grad': rescale_grad,
+              'clip_gradient': clip_gradient if clip_gradient else -1.0}
+    if momentum > 0:
+        kwargs['momentum'] = momentum
+    return kwargs
+
+
+def _native_mp(weight, grad, master):
+    """fp16 weight and gradient with an fp32 master copy on a GPU: the mp_* kernels.
+    On CPU (no F16C) casting the gradient into an fp32 buffer and running the fp32 kernel
+    on the master copy is 1.5x faster."""
+    return master is not None and grad.dtype == weight.dtype and \
+        weight.context.device_type == 'gpu'
+
+
+def _single_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
+                       rescale_grad, clip_gradient, scratch):
+    kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
+    wd_vector = None if lr_vector is None else _kernels.device_vector(wds, weights[0].context)
+    for i, (w, g, m, w32) in enumerate(zip(weights, grads, moms, masters)):
+        native = _native_mp(w, g, w32)
+        if w32 is not None and not native and g.dtype != w32.dtype:
+            g = _kernels.cast_into(g, w32.dtype, scratch)
+        target = w if (w32 is None or native) else w32
+        tensors = [target, g] + ([] if m is None else [m]) + ([w32] if native else [])
+        if lr_vector is None:
+            op = {(False, False): nd.sgd_update, (False, True): nd.sgd_mom_update,
+                  (True, False): nd.mp_sgd_update,
+                  (True, True): nd.mp_sgd_mom_update}[(native, m is not None)]
+            op(*tensors, out=target, lr=lrs[i], wd=wds[i], **kwargs)
+        else:
+            _preloaded(native, m is not None)(
+                *tensors, lr_vector[i:i + 1], wd_vector[i:i + 1], out=[target], num_weights=1,
+                **kwargs)
+        if w32 is not None and not native:
+            nd.Cast(w32, dtype=w.dtype, out=w)
+
+
+def _preloaded(mp, with_mom):
+    return {(False, False): nd.preloaded_multi_sgd_update,
+            (False, True): nd.preloaded_multi_sgd_mom_update,
+            (True, False): nd.preloaded_multi_mp_sgd_update,
+            (True, True): nd.preloaded_multi_mp_sgd_mom_update}[(mp, with_mom)]
+
+
+def _multi_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
+                      rescale_grad, clip_gradient, scratch):  # pylint: disable=unused-argument
+    kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
+    # fp16 gradients with master copies: the mp_* kernels (one scratch buffer cannot hold
+    # the fp32 casts of a whole chunk)
+    native = masters[0] is not None and grads[0].dtype == weights[0].dtype
+    cast_down = masters[0] is not None and not native
+    targets = masters if cast_down else weights
+    with_mom = moms[0] is not None
+    wd_vector = None if lr_vector is None else _kernels.device_vector(wds, weights[0].context)
+    for start, end in _kernels.spans(weights):
+        part = slice(start, end)
+        columns = [targets[part], grads[part]]
+        if with_mom:
+            columns.append(moms[part])
+        if native:
+            columns.append(masters[part])
+        tensors = [x for row in zip(*columns) for x in row]
+        if lr_vector is None:
+            op = {(False, False): nd.multi_sgd_update,
+                  (False, True): nd.multi_sgd_mom_update,
+                  (True, False): nd.multi_mp_sgd_update,
+                  (True, True): nd.multi_mp_sgd_mom_update}[(native, with_mom)]
+            op(*tensors, out=targets[part], num_weights=end - start,
+               lrs=tuple(lrs[part]), wds=tuple(wds[part]), **kwargs)
+        else:
+            _preloaded(native, with_mom)(
+                *tensors, lr_vector[start:end], wd_vector[start:end], out=targets[part],
+                num_weights=end - start, **kwargs)
+    if cast_down:
+        for w, w32 in zip(weights, masters):
+            nd.Cast(w32, dtype=w.dtype, out=w)
+
+
+
+def _sparse_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad,
+                clip_gradient, lazy_update):
+    """One tensor at a time with MXNet's sgd_update / sgd_mom_update and `lazy_update`,
+    as mx.optimizer.SGD calls them for non-default storage: a row_sparse gradient updates
+    only its rows when lazy (weight, momentum, weight decay), every row otherwise; csr or
+    row_sparse weights go through MXNet's own storage fallback. With an fp32 master copy
+    the (row_sparse) gradient is cast to fp32 and the master copy is updated, lazily too,
+    then cast into the weight (MXNet's mp_sgd_* kernels have no sparse path and fall back
+    to a dense update)."""
+    kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
+    for w, g, m, w32, lr, wd in zip(weights, grads, moms, masters, lrs, wds):
+        target = w if w32 is None else w32
+        if w32 is not None and g.dtype != w32.dtype:
+            g = g.astype(w32.dtype)
+        if m is None:
+            nd.sgd_update(target, g, out=target, lazy_update=lazy_update, lr=lr, wd=wd,
+                          **kwargs)
+        else:
+            nd.sgd_mom_update(target, g, m, out=target, lazy_update=lazy_update, lr=lr, wd=wd,
+                              **kwargs)
+        if w32 is not None:
+            nd.Cast(w32, dtype=w.dtype, out=w)
+
+
+SGDFamily.single_tensor = staticmethod(_single_tensor_sgd)
+SGDFamily.multi_tensor = staticmethod(_multi_tensor_sgd)

@@ -1,0 +1,53 @@
+"""The trust-ratio piece (LARS): a per-layer learning-rate multiplier computed on the device.
+
+You, Gitman & Ginsburg, "Large Batch Training of Convolutional Networks" (2017),
+https://arxiv.org/abs/1708.03888::
+
+    ratio = clip(eta * |w| / (|rescale_grad * g| + wd * |w| + eps), lars_min, lars_max)
+    ratio = 1 where |w| == 0 or |g| == 0, or where the layer is excluded by name
+
+It multiplies whatever the other multipliers (warmup) give: the rates reach the kernels as
+a float32 vector on the device, so the ratio costs no host sync (except for a layer with a
+row_sparse gradient, whose sparse kernel takes lr as a float).
+"""
+from . import _kernels
+
+DEFAULT_LARS_EXCLUDE = ('bias', 'gamma', 'beta')
+
+
+class TrustRatio:
+    def __init__(self, eta, eps, lars_min, lars_max, exclude):
+        self.eta = eta
+        self.eps = eps
+        self.lars_min = lars_min
+        self.lars_max = lars_max
+        self.exclude = exclude
+
+    def applies(self, name):
+        """Whether the layer called `name` gets a trust ratio (None: no names known)."""
+        if name is None:
+            if self.exclude:
+                raise ValueError(
+                    "LARS needs parameter names to leave %r out of it, and this optimizer "
+                    "has none (horovod's DistributedOptimizer keeps the names Module gives "
+                    'it to itself). Create it with param_idx2name={index: name}, e.g. '
+                    'dict(enumerate(n for n in sym.list_arguments() if n not in data_names '
+                    '+ label_names)), or pass lars_exclude=() to apply LARS to every layer'
+                    % (self.exclude,))
+            return True
+        if callable(self.exclude):
+            return not self.exclude(name)
+        return not name.endswith(self.exclude)
+
+    def lr_vector(self, *, weights, grads, lrs, wds, keep_lr, rescale_grad):
+        """lrs times the ratios, a float32 vector on the device (see the module docstring)."""
+        return _kernels.lars_lrs(weights=weights, grads=grads, lrs=lrs, wds=wds,
+                                 keep_lr=keep_lr, eta=self.eta, eps=self.eps,
+                                 rescale_grad=rescale_grad, lars_min=self.lars_min,
+                                 lars_max=self.lars_max)
+
+    def sparse_factor(self, *, weight, grad, wd, rescale_grad):
+        """The ratio of one layer with a row_sparse gradient, over the rows present."""
+        return _kernels.sparse_lars_factor(weight=weight, grad=grad, wd=wd, eta=self.eta,
+                                           eps=self.eps, rescale_grad=rescale_grad,
+                                           lars_min=self.lars_min, lars_max=self.lars_max)

@@ -1,0 +1,37 @@
+"""The warmup piece: a learning-rate multiplier per micro-batch position (no mxnet).
+
+MXNet LBSGD's warmup rises from 1 to the batch scale B over W micro-batches::
+
+    mult(n) = warmup_multiplier(offset + n, W, B, shape)     # schedules.WARMUP_SHAPES
+
+where n counts this run's micro-batches (skipped windows are not counted) and ``offset``
+is ``begin_epoch * updates_per_epoch``.
+"""
+from .schedules import warmup_multiplier
+
+
+class Warmup:
+    """Multipliers of one warmup: `shape` from `schedules.WARMUP_SHAPES`, or None (1)."""
+
+    def __init__(self, shape, warmup_steps, batch_scale, offset):
+        self.shape = shape
+        self.warmup_steps = warmup_steps
+        self.batch_scale = batch_scale
+        self.offset = offset
+
+    def multiplier(self, position):
+        if self.shape is None:
+            return 1.0
+        return warmup_multiplier(self.offset + position, self.warmup_steps,
+                                 self.batch_scale, self.shape)
+
+    def scale_lrs(self, lrs, positions):
+        """lrs[i] * multiplier(positions[i]); parameters of one call mostly share a
+        position, so each position is computed once."""
+        if self.shape is None:
+            return lrs
+        mults = {}
+        for p in positions:
+            if p not in mults:
+                mults[p] = self.multiplier(p)
+        return [lr * mults[p] for lr, p in zip(lrs, positions)]
