@@ -11,8 +11,9 @@ and owns what happens between them::
                then MXNet's per-device Updaters call optimizer.update_multi_precision
 
 The optimizer learns nothing from attribute writes: it gets `begin_step`. The window's
-position is the binding's explicit state (`progress`/`load_progress`, saved by
-`mx_lbsgd.checkpoint`). A Trainer is bound at its first step (or by `bind`), once.
+position is read from the optimizer's micro-batch count at each reduction, so whatever
+restores the counters (`mx_lbsgd.checkpoint`, MXNet's ``Trainer.load_states``) restores the
+window. A Trainer is bound at its first step (or by `bind`), once.
 """
 import weakref
 
@@ -46,7 +47,8 @@ class TrainerBinding:
         self._closes = None        # what the last reduction did to the window
         self._accs = {}            # id(state) -> (state, accumulator): split once per state
         self._sparse = _compat.has_sparse_gradients(trainer)
-        _refuse_dist_sparse_gradients(trainer)
+        if hasattr(trainer.optimizer, 'begin_step'):
+            _refuse_dist_sparse_gradients(trainer)
         _compat.wrap_trainer_step(trainer, self._reduce, self._update)
 
     def _optimizer(self):
@@ -67,7 +69,7 @@ class TrainerBinding:
             return original()
         grads, accs = self._buffers(trainer, opt)
         self._closes = self.window.add(accs=accs, grads=grads, factor=opt.rescale_grad,
-                                       size=opt.batch_scale)
+                                       size=opt.batch_scale, position=opt.window_position)
         return original() if self._closes else None
 
     def _update(self, original, *args, **kwargs):
@@ -105,18 +107,6 @@ class TrainerBinding:
         if missed:                   # states were created or replaced (load_states)
             self._accs = used
         return grads, accs
-
-    def progress(self):
-        return {'window_position': self.window.position}
-
-    def load_progress(self, progress):
-        """Files without a window position (MXNet's, mx_lbsgd 0.1's, a Module's) accumulated
-        in the optimizer: their counters say where the window is."""
-        opt = self._optimizer()
-        if 'window_position' in progress:
-            self.window.position = int(progress['window_position'])
-        elif opt is not None:
-            self.window.position = opt.micro_batches % opt.batch_scale
 
 
 def _refuse_dist_sparse_gradients(trainer):

@@ -6,26 +6,28 @@ none. Nothing else in the package touches a private MXNet attribute.
 """
 import os
 import sys
+import weakref
 
 import mxnet as mx
 
 
-def trainer_of(param_dict):
-    """The gluon.Trainer that owns the optimizer's parameters, or None (Module, bare Updater).
+def trainer_assigning_rescale_grad(optimizer):
+    """The gluon.Trainer whose ``step``/``update`` is assigning ``optimizer.rescale_grad``
+    right now (call it from the setter), or None.
 
-    Why: an Optimizer is never told which Trainer drives it. ``Trainer.__init__`` calls
-    ``param._set_trainer(self)`` on every parameter before it creates the optimizer with
-    ``param_dict``, and Parameter keeps that reference in ``_trainer``.
+    Why: MXNet never tells an optimizer which Trainer drives it. ``Parameter._trainer`` names
+    only the last Trainer created over a parameter (two Trainers may share parameters);
+    ``Trainer.step`` and ``Trainer.update`` assign ``rescale_grad`` inside
+    ``_check_and_rescale_grad(self, scale)``, before they reduce or update, and that frame's
+    ``self`` is the Trainer that is stepping.
     """
-    for param in param_dict.values():
-        return getattr(param, '_trainer', None)
+    frame = sys._getframe(2)           # 0: here, 1: the rescale_grad setter
+    if frame is None or frame.f_code.co_name != '_check_and_rescale_grad':
+        return None
+    trainer = frame.f_locals.get('self')
+    if isinstance(trainer, mx.gluon.Trainer) and trainer._optimizer is optimizer:
+        return trainer
     return None
-
-
-def trainer_is_built(trainer):
-    """Whether ``Trainer.__init__`` has finished (``_kvstore_params`` is its last step's
-    input). Before that, optimizer attribute writes come from the constructor itself."""
-    return hasattr(trainer, '_kvstore_params')
 
 
 def init_trainer_kvstore(trainer):
@@ -308,6 +310,18 @@ def wrap_trainer_step(trainer, reduce, update):
     DistributedTrainer overrides the same method, so this covers it too); a step-level
     overflow decision must list the fresh gradients before ``_update`` clears their flags.
     ``step``, ``allreduce_grads`` and ``update`` all go through these two."""
-    original_reduce, original_update = trainer._allreduce_grads, trainer._update
+    original_reduce = _weak_method(trainer, '_allreduce_grads')
+    original_update = _weak_method(trainer, '_update')
     trainer._allreduce_grads = lambda: reduce(original_reduce)
     trainer._update = lambda *a, **k: update(original_update, *a, **k)
+
+
+def _weak_method(obj, name):
+    """obj.name as a callable that holds `obj` weakly (a wrapper stored on `obj` that held
+    the bound method would keep `obj` alive until the cyclic garbage collector runs)."""
+    bound = getattr(obj, name)
+    func = getattr(bound, '__func__', None)
+    if func is None or getattr(bound, '__self__', None) is not obj:
+        return bound                   # already wrapped by someone else: keep it as it is
+    ref = weakref.ref(obj)
+    return lambda *a, **k: func(ref(), *a, **k)

@@ -60,8 +60,9 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         self._scratch, self._plans = {}, {}
         self._gate = _scaling._StepGate(self.fused)
         self._ledger = _scaling.SkipLedger(self.count_skipped_steps)
+        # pickled as plain values
         self._ledger.skipped_updates = self.__dict__.pop('_skipped_updates', 0)
-        self.__dict__.pop('last_step_skipped', None)     # pickled as a plain value
+        self._ledger.last_step_skipped = bool(self.__dict__.pop('last_step_skipped', False))
         self._accumulator = InOptimizerWindow(self.batch_scale)
         self._step_window = None   # None, or whether this step closes a Trainer's window
 
@@ -80,8 +81,8 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         self._rescale_grad = value
         # gluon.Trainer.step/update set rescale_grad before they reduce or update: the one
         # moment MXNet gives an optimizer to learn its Trainer. Binding is idempotent.
-        trainer = _compat.trainer_of(getattr(self, 'param_dict', None) or {})
-        if trainer is not None and _compat.trainer_is_built(trainer):
+        trainer = _compat.trainer_assigning_rescale_grad(self)
+        if trainer is not None:
             _binding.bind(trainer)
 
     def begin_step(self, gradients, closes_window=None):
@@ -190,6 +191,12 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         position, without ``begin_epoch * updates_per_epoch``."""
         _, counts = _compat.update_counts(self)
         return max(counts.values(), default=self.begin_num_update) - self.begin_num_update
+
+    @property
+    def window_position(self):
+        """Micro-batches of the open accumulation window (0 at a window boundary, where
+        MXNet's own ``Trainer.save_states`` keeps every device's state)."""
+        return self.micro_batches % self.batch_scale
 
     @property
     def applied_updates(self):

@@ -62,17 +62,20 @@ class InOptimizerWindow:
 
 
 class TrainerWindow:
-    """The window at a Trainer's reduction, with its explicit state: `position`, the
-    micro-batches of the open window already summed (0 .. size-1)."""
+    """The window at a Trainer's reduction. Its state, `position` (micro-batches of the open
+    window already summed, 0 .. size-1), is read from the optimizer's micro-batch count at
+    every reduction: one source of truth, which checkpoints (MXNet's own included) restore,
+    and which a skipped window rewinds."""
 
     def __init__(self):
         self.position = 0
         self._scratch = {}
 
-    def add(self, *, accs, grads, factor, size):
-        """Take one micro-batch. Returns True when it closes the window: the window's mean
-        is then in `grads`, ready to be reduced; otherwise it was summed into `accs`."""
-        position = self.position + 1
+    def add(self, *, accs, grads, factor, size, position):
+        """Take micro-batch `position + 1`. Returns True when it closes the window: the
+        window's mean is then in `grads`, ready to be reduced; otherwise it was summed into
+        `accs`."""
+        position += 1
         if position < size:
             _kernels.accumulate(accs=accs, grads=grads, first=position == 1, factor=factor,
                                 scratch=self._scratch)

@@ -9,8 +9,8 @@ half-written NAME), and check a file before loading it.
 What a file holds: the per-parameter states of every device (momentum, fp32 master copies,
 accumulators: before a window is reduced they differ between devices, and MXNet's own
 ``Trainer.save_states`` keeps only the first device's), and the optimizer's progress: the
-update counters, ``num_update``, the learning rate and its scheduler and, for mx_lbsgd's
-optimizers, the accumulation window and the loss scaler. Loading puts all of it into the
+update counters (which also say where an accumulation window is), ``num_update``, the
+learning rate and its scheduler and, for mx_lbsgd's optimizers, the loss scaler. Loading puts all of it into the
 live optimizer, so objects that hold its scaler keep seeing the live one. Files written by
 MXNet's ``save_states``/``save_optimizer_states`` and by mx_lbsgd 0.1 load too.
 
@@ -39,7 +39,7 @@ import tempfile
 import numpy as np
 import mxnet as mx
 
-from . import _binding, _compat, _legacy
+from . import _compat, _legacy
 
 __all__ = ['save_states', 'load_states', 'save_checkpoint', 'load_checkpoint']
 
@@ -143,20 +143,19 @@ def _updaters(target):
     raise TypeError('target must be a gluon.Trainer or a Module; got %r' % (target,))
 
 
-def _progress(opt, binding=None):
+def _progress(opt):
     """One dict of plain values: the counters, lr and scheduler of any MXNet optimizer, then
-    what mx_lbsgd's optimizer and Trainer binding add through their ``progress()``."""
+    what an mx_lbsgd optimizer adds through its ``progress()`` (the protocol the optimizers
+    and this module share: ``progress()`` / ``load_progress(progress)``)."""
     counts, _ = _compat.update_counts(opt)
     progress = {'index_update_counts': {k: dict(v) for k, v in counts.items()},
                 'num_update': opt.num_update, 'lr': opt.lr, 'lr_scheduler': opt.lr_scheduler}
-    for part in (opt, binding):
-        if hasattr(part, 'progress'):
-            progress.update(part.progress())
+    if hasattr(opt, 'progress'):
+        progress.update(opt.progress())
     return progress
 
 
-def _load_progress(opt, progress, binding=None):
-    """Give every part its `_progress` back through its ``load_progress``."""
+def _load_progress(opt, progress):
     opt.lr = progress.get('lr', opt.lr)
     opt.lr_scheduler = progress.get('lr_scheduler', opt.lr_scheduler)
     if hasattr(opt, 'load_progress'):
@@ -164,15 +163,6 @@ def _load_progress(opt, progress, binding=None):
     else:
         _compat.set_update_counts(opt, progress['index_update_counts'])
         opt.num_update = progress['num_update']
-    if binding is not None:
-        binding.load_progress(progress)
-
-
-def _binding_of(target, opt):
-    """The Trainer binding of an mx_lbsgd optimizer's Trainer (it holds the window)."""
-    if isinstance(target, mx.gluon.Trainer) and hasattr(opt, 'begin_step'):
-        return _binding.bind(target)
-    return None
 
 
 def save_states(target, path):
@@ -181,8 +171,7 @@ def save_states(target, path):
     updaters, opt = _updaters(target)
     payload = pickle.dumps({'format': _FORMAT, 'version': _VERSION,
                             'states': [u.states for u in updaters],
-                            'progress': _progress(opt, _binding_of(target, opt))},
-                           protocol=pickle.HIGHEST_PROTOCOL)
+                            'progress': _progress(opt)}, protocol=pickle.HIGHEST_PROTOCOL)
     blob = MX_LBSGD_MAGIC + hashlib.sha256(payload).digest() + payload
     _atomic_write(path, lambda tmp: _write_bytes(tmp, blob))
 
@@ -258,7 +247,7 @@ def load_states(target, path, trusted=False):
         updater.states = dict(states) if k == 0 else pickle.loads(pickle.dumps(states))
         updater.states_synced = dict.fromkeys(updater.states, False)
     if progress is not None:
-        _load_progress(opt, progress, _binding_of(target, opt))
+        _load_progress(opt, progress)
 
 
 def _weights_by_key(target):

@@ -159,6 +159,7 @@ def init_kvstore(trainer, batch_size):
     parameters must be initialized), before the first `step`, with the `batch_size` you
     will pass to `step` (servers that update get the optimizer, rescale_grad included, now).
     """
+    _binding.bind(trainer)
     trainer.optimizer.rescale_grad = _compat.trainer_scale(trainer) / batch_size
     _compat.init_trainer_params(trainer)
     mx.nd.waitall()

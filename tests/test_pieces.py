@@ -106,7 +106,7 @@ def test_window_at_a_trainer_writes_the_mean_in_units_of_the_last_rescale(B):
         g = rng.uniform(-1, 1, (4,))
         grads = [mx.nd.array(g)]
         r = 0.25 * k
-        closes = window.add(accs=accs, grads=grads, factor=r, size=B)
+        closes = window.add(accs=accs, grads=grads, factor=r, size=B, position=k - 1)
         total += r * g
         assert closes is (k == B)
         assert window.position == k % B
