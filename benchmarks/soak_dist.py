@@ -1,7 +1,15 @@
 """Soak test for loopback ``dist_sync`` jobs: N consecutive small Gluon jobs through
-``mx_lbsgd.launch``, watching for jobs whose workers finish but whose processes do not exit.
+``mx_lbsgd.launch``, watching for jobs that fail, leave a process behind, or whose workers
+finish but whose processes do not exit.
 
     python benchmarks/soak_dist.py --jobs 50 --json soak.json [--stacks]
+    nice -n 19 python benchmarks/soak_dist.py --jobs 200 --spinners 2 --optimizer lbsgd
+    nice -n 19 python benchmarks/soak_dist.py --jobs 100 --dist-tests-every 20 --optimizer lbsgd
+
+``--spinners N`` keeps N processes spinning on the CPU for the whole soak (they inherit the
+soak's niceness). ``--dist-tests-every K`` runs the suite's dist tests (``--dist-tests``,
+default tests/test_kvstore.py's dist jobs) before job 0, K, 2K, ..., so that jobs start right
+after them, as after a CI run. Jobs run back to back, with no pause.
 
 Each job: 1 scheduler, ``--servers`` servers and ``--workers`` workers; every worker trains a
 small Gluon MLP for ``--steps`` ``trainer.step`` calls on ``kvstore='dist_sync'`` with
@@ -12,13 +20,19 @@ Recorded per job: wall time, the launcher's exit status, every process's exit st
 launcher reports it), and whether the job hung at exit: some process still alive
 ``--hang-after`` seconds after every worker printed ``done``. For such a job the still-alive
 processes are listed and, with ``--stacks``, their native stacks (``gdb``) are saved in the
-JSON, showing where they hung. Not part of the test suite (minutes of wall time).
+JSON, showing where they hung. A job fails when the launcher's status is not 0, a worker
+did not finish, or a process of the job is still alive 3 s after the launcher returned
+(``left_over``: such processes are listed, then killed). For a failed job the TCP sockets
+of the machine with their processes (``ss -tanp``) are saved, showing who talked to whom.
+Not part of the test suite (minutes of wall time; tests/test_launch.py has a CI-sized soak).
 """
 import argparse
 import io
 import json
 import os
+import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +40,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -124,6 +139,43 @@ def _stacks(pid):
     return '\n'.join(keep)
 
 
+def _tagged(tag):
+    """``{pid: command line}`` of live processes whose environment holds ``SOAK_TAG=tag``."""
+    needle, found = f'SOAK_TAG={tag}'.encode(), {}
+    for name in os.listdir('/proc'):
+        if name.isdigit() and _alive(name):
+            try:
+                with open(f'/proc/{name}/environ', 'rb') as f:
+                    if needle in f.read().split(b'\0'):
+                        with open(f'/proc/{name}/cmdline', 'rb') as c:
+                            found[int(name)] = c.read().replace(b'\0', b' ').decode()[:200]
+            except OSError:
+                pass
+    return found
+
+
+def _left_over(tag, wait=3.0):
+    """Processes of the job still alive ``wait`` s after the launcher returned; kills them."""
+    deadline = time.monotonic() + wait
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _tagged(tag)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _sockets():
+    try:
+        return subprocess.run(['ss', '-tanp'], capture_output=True, text=True,
+                              timeout=20).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return [f'ss failed: {err}']
+
+
 def _monitor(watch, pids, hang_after, stacks, record, stop):
     """Once all workers are done, wait ``hang_after`` s; record who is still alive."""
     while not stop.is_set() and not watch.all_done():
@@ -149,9 +201,9 @@ def run_job(index, args, workdir):
     pids, record, stop = {}, dict(job=index), threading.Event()
     monitor = threading.Thread(target=_monitor, daemon=True, args=(
         watch, pids, args.hang_after, args.stacks, record, stop))
-    report = {}
+    report, tag = {}, uuid.uuid4().hex
     kwargs = dict(timeout=args.timeout, stream=watch, on_start=pids.update,
-                  env={'PYTHONPATH': os.pathsep.join(
+                  env={'SOAK_TAG': tag, 'PYTHONPATH': os.pathsep.join(
                       filter(None, [ROOT, os.environ.get('PYTHONPATH')]))})
     if args.ps_verbose:
         kwargs['env']['PS_VERBOSE'] = '1'
@@ -165,24 +217,49 @@ def run_job(index, args, workdir):
     wall = time.monotonic() - start
     stop.set()
     monitor.join()
+    left = _left_over(tag)
     done = sorted(watch.done_at)
     record.update(status=status, wall_s=round(wall, 3), workers_done=len(done),
+                  host=report.get('host'), port=report.get('port'), left_over=left,
                   exit_wait_s=round(time.monotonic() - max(watch.done_at.values()) - 0, 3)
                   if done else None,
                   processes=report.get('processes'),
                   launcher_lines=[line for _, line in watch.lines if line.startswith('[launch]')])
-    if status != 0 or len(done) != args.workers or record.get('hung'):
+    record['failed'] = bool(status != 0 or len(done) != args.workers or left)
+    if record['failed'] or record.get('hung'):
         record['log_tail'] = [line for _, line in watch.lines][-60:]
+    if record['failed']:
+        record['sockets'] = _sockets()
     record.setdefault('hung', {})
     return record
 
 
 def _table(records):
-    rows = ['  job  status   wall s  hung at exit']
+    rows = ['  job  status   wall s  left over  hung at exit']
     for r in records:
         hung = ', '.join(f"{k} ({v['wchan']})" for k, v in r['hung'].items()) or '-'
-        rows.append(f"{r['job']:5d}  {r['status']:6d}  {r['wall_s']:7.2f}  {hung}")
+        rows.append(f"{r['job']:5d}  {r['status']:6d}  {r['wall_s']:7.2f}  "
+                    f"{len(r['left_over']):9d}  {hung}")
     return '\n'.join(rows)
+
+
+def _dist_tests(command, before_job):
+    start = time.monotonic()
+    proc = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True)
+    last = (proc.stdout.strip().splitlines() or [''])[-1]
+    print(f'dist tests before job {before_job}: exit {proc.returncode}, '
+          f'{time.monotonic() - start:.0f} s: {last}', flush=True)
+    return dict(before_job=before_job, status=proc.returncode, summary=last,
+                wall_s=round(time.monotonic() - start, 1))
+
+
+def _machine():
+    with open('/proc/cpuinfo') as f:
+        model = next((line.split(':', 1)[1].strip() for line in f
+                      if line.startswith('model name')), '?')
+    with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
+        ports = '-'.join(f.read().split())
+    return dict(cpu=model, cores=os.cpu_count(), nice=os.nice(0), ephemeral_ports=ports)
 
 
 def main(argv=None):
@@ -204,6 +281,13 @@ def main(argv=None):
     parser.add_argument('--linger', type=float,
                         help="diagnosis: override the launcher's wait for servers/scheduler "
                              'after the workers succeed (leaves time for --stacks)')
+    parser.add_argument('--spinners', type=int, default=0,
+                        help='processes spinning on the CPU during the soak (default 0)')
+    parser.add_argument('--dist-tests-every', type=int, metavar='K',
+                        help='run the dist tests before job 0, K, 2K, ...')
+    parser.add_argument('--dist-tests', default=f'{shlex.quote(sys.executable)} -m pytest -q '
+                        '-p no:cacheprovider tests/test_kvstore.py -k dist_workers',
+                        help='the dist tests command (run in the repository)')
     parser.add_argument('--json', help='write the records and summary here')
     parser.add_argument('--verbose', action='store_true', help="echo the jobs' output")
     args = parser.parse_args(argv)
@@ -213,24 +297,37 @@ def main(argv=None):
     workdir = tempfile.mkdtemp(prefix='soak_dist_')
     with open(os.path.join(workdir, 'worker.py'), 'w') as f:
         f.write(textwrap.dedent(WORKER))
-    records = []
+    records, dist_runs = [], []
     started = time.time()
+    spinners = [subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+                for _ in range(args.spinners)]
     try:
         for index in range(args.jobs):
+            if args.dist_tests_every and index % args.dist_tests_every == 0:
+                dist_runs.append(_dist_tests(args.dist_tests, index))
             record = run_job(index, args, workdir)
             records.append(record)
             hung = ', '.join(record['hung']) or '-'
             print(f"job {index:3d}: status {record['status']:3d}  {record['wall_s']:6.2f} s  "
-                  f"workers done {record['workers_done']}/{args.workers}  hung: {hung}",
-                  flush=True)
+                  f"workers done {record['workers_done']}/{args.workers}  hung: {hung}  "
+                  f"left over: {len(record['left_over'])}  {record['host']}:{record['port']}"
+                  + ('  FAILED' if record['failed'] else ''), flush=True)
             for line in record['launcher_lines']:
                 print('         ' + line, flush=True)
     finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
     walls = [r['wall_s'] for r in records]
     summary = dict(
-        jobs=len(records), ok=sum(r['status'] == 0 for r in records),
-        failed=sum(r['status'] != 0 for r in records),
+        jobs=len(records), ok=sum(not r['failed'] for r in records),
+        failed=sum(r['failed'] for r in records),
+        nonzero_status=sum(r['status'] != 0 for r in records),
+        left_over=sum(bool(r['left_over']) for r in records),
+        launcher_stepped_in=sum(bool(r['launcher_lines']) for r in records),
+        distinct_addresses=len({(r['host'], r['port']) for r in records}),
+        dist_test_runs=dist_runs,
         all_workers_done=sum(r['workers_done'] == args.workers for r in records),
         hung_at_exit=sum(bool(r['hung']) for r in records),
         timeouts=sum(r['status'] == 124 for r in records),
@@ -243,7 +340,7 @@ def main(argv=None):
         wall_median_s=round(statistics.median(walls), 2) if walls else None,
         wall_max_s=round(max(walls), 2) if walls else None,
         total_s=round(time.time() - started, 1),
-        settings=vars(args), python=sys.version.split()[0])
+        settings=vars(args), python=sys.version.split()[0], machine=_machine())
     print(_table(records))
     print(json.dumps({k: v for k, v in summary.items() if k != 'settings'}))
     if args.json:

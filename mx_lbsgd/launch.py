@@ -6,16 +6,32 @@ launcher starts one scheduler, S servers and N workers on the loopback interface
     mx-lbsgd launch -n 2 -s 1 -- python train.py --epochs 3
     python -m mx_lbsgd.launch -n 2 -s 1 -- python train.py --epochs 3
 
-Every process gets ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI=127.0.0.1``, ``DMLC_PS_ROOT_PORT``,
-``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER`` and ``DMLC_NODE_HOST=127.0.0.1``, plus
-``MX_LBSGD_ROLE`` and ``MX_LBSGD_RANK`` (the launcher's index of the process within its
-role). ``MX_LBSGD_RANK`` labels the output only: the scheduler hands out ``kv.rank`` in the
+Every process gets ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI`` and ``DMLC_NODE_HOST`` (both the job's
+own loopback address, below), ``DMLC_PS_ROOT_PORT``, ``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER``,
+plus ``MX_LBSGD_ROLE`` and ``MX_LBSGD_RANK`` (the launcher's index of the process within its
+role); ``DMLC_LOCAL`` and ``DMLC_USE_KUBERNETES`` are removed (with them ps-lite would use
+``ipc:///tmp/<port>`` or bind the scheduler to 0.0.0.0, shared by every job).
+``MX_LBSGD_RANK`` labels the output only: the scheduler hands out ``kv.rank`` in the
 order the workers connect, so use ``kv.rank`` to shard data. ``OMP_NUM_THREADS=1`` and
 ``PYTHONUNBUFFERED=1`` are set unless already set. Workers run the command; the scheduler
 and servers run this interpreter with ``mx_lbsgd`` imported before they enter the server
 loop, so a pickled ``mx_lbsgd`` optimizer (``kv.set_optimizer``) loads there; a server
 that cannot load the optimizer exits with status 1 (MXNet would go on summing gradients).
 The optimizer's class must be importable there: not defined in the worker's ``__main__``.
+
+Addresses and ports: no process of another job can reach this job's nodes.
+Each job gets a random loopback address ``127.a.b.c`` (Linux routes all of 127/8 to ``lo``;
+127.0.0.1 where that address cannot be bound), and every node binds and connects on that
+address only, so a process of an earlier or concurrent job, which connects to its own
+job's address, never reaches this job's nodes, whatever port they took. The scheduler's
+port, unless given (``--port``), is drawn at random outside the kernel's ephemeral range
+(``/proc/sys/net/ipv4/ip_local_port_range``) and outside 10000-49999, where ps-lite retries
+a node's failed bind: no node's ``bind(0)``, no outgoing connection and no ps-lite retry
+can take it. The scheduler starts first; servers and workers start only once *that*
+process listens on the port. If another process holds the port first, the launcher says
+so in one line naming that process: with ``--port`` it exits 2, otherwise it tries another
+port (up to 3). Servers' and workers' own ports are picked by ps-lite (``bind(0)``); MXNet
+1.9.1 reads no variable for them.
 
 Output lines are prefixed ``[worker 0]``, ``[server 0]``, ``[scheduler]`` (launcher messages
 ``[launch]``). Exit status: 0 when every worker exits 0 (servers and scheduler then stop by
@@ -42,8 +58,10 @@ with one line, ``[launch] exit status: scheduler: exit 0, server 0: ..., worker 
 """
 import argparse
 import os
+import random
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -52,7 +70,14 @@ import time
 _GRACE = 3.0          # seconds between SIGTERM and SIGKILL
 _LINGER = 5.0         # seconds servers/scheduler get to exit after the workers succeed
 _EXIT_HANG = 10.0     # seconds a process gets to exit after the scheduler left the final barrier
+_LISTEN_LIMIT = 60.0  # seconds the scheduler gets to listen on its port
+_PORT_TRIES = 3       # ports tried when another process takes a drawn one first
 _POLL = 0.05
+_PORT_RANGE_FILE = '/proc/sys/net/ipv4/ip_local_port_range'
+_LINUX_EPHEMERAL = (32768, 60999)
+# ps-lite's ZMQVan::Bind: a node whose first bind fails retries on 10000 + rand() % 40000
+_PS_LITE_RETRY = range(10000, 50000)
+_SHARED_ENV = ('DMLC_LOCAL', 'DMLC_USE_KUBERNETES')
 
 # Imported as a worker so that mxnet and mx_lbsgd load completely (with DMLC_ROLE=server,
 # ``import mxnet`` enters the server loop half-way through: kvstore_server.py), then the
@@ -75,20 +100,164 @@ server.run()
 _SIGNAL_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-def _check_port(port):
-    """Raise ValueError unless ``port`` can be bound (the scheduler listens on all addresses)."""
+def _bindable(port):
+    """Whether ``port`` can be bound on every address (as ZeroMQ binds: SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as ZeroMQ does
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(('', port))
-        except OSError as err:
-            raise ValueError(f'port {port} is already in use ({err.strerror})') from None
+        except OSError:
+            return False
+    return True
 
 
-def _free_port():
+def _check_port(port):
+    """Raise ValueError unless ``port`` can be bound."""
+    if not _bindable(port):
+        raise ValueError(f'port {port} is already in use')
+
+
+def _ephemeral_range():
+    try:
+        with open(_PORT_RANGE_FILE) as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        return _LINUX_EPHEMERAL
+    return low, high
+
+
+def _scheduler_ports():
+    """Ports the scheduler may get: outside the kernel's ephemeral range (``bind(0)`` and
+    outgoing connections take theirs there) and outside ps-lite's bind retries."""
+    low, high = _ephemeral_range()
+    return [p for p in range(1024, 65536) if not low <= p <= high and p not in _PS_LITE_RETRY]
+
+
+def _choose_port(tried=()):
+    """A random bindable port from ``_scheduler_ports()``, not one of ``tried``."""
+    ports = [p for p in _scheduler_ports() if p not in tried]
+    for port in random.SystemRandom().sample(ports, min(len(ports), 64)):
+        if _bindable(port):
+            return port
+    low, high = _ephemeral_range()
+    raise ValueError(f'no free port for the scheduler outside the ephemeral range {low}-{high} '
+                     f'({_PORT_RANGE_FILE}) and 10000-49999; give one with port (--port)')
+
+
+def _job_host():
+    """A random loopback address 127.a.b.c for one job; 127.0.0.1 if it cannot be bound."""
+    rng = random.SystemRandom()
+    host = f'127.{rng.randrange(1, 255)}.{rng.randrange(256)}.{rng.randrange(1, 255)}'
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(('', 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind((host, 0))
+        except OSError:             # a system that configures 127.0.0.1 only
+            return '127.0.0.1'
+    return host
+
+
+def _address(hexaddr):
+    """The address in /proc/net/tcp{,6} notation (32-bit words in host order) as text."""
+    raw = b''.join(struct.pack('=I', int(hexaddr[i:i + 8], 16))
+                   for i in range(0, len(hexaddr), 8))
+    if len(raw) == 16 and raw[:12] == bytes(10) + b'\xff\xff':
+        raw = raw[12:]
+    return socket.inet_ntoa(raw) if len(raw) == 4 else socket.inet_ntop(socket.AF_INET6, raw)
+
+
+def _listeners(port):
+    """``[(address, socket inode)]`` of the TCP sockets listening on ``port``."""
+    found = []
+    for name in ('/proc/net/tcp', '/proc/net/tcp6'):
+        try:
+            with open(name) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            address, hexport = row[1].rsplit(':', 1)
+            if row[3] == '0A' and int(hexport, 16) == port:      # 0A: TCP_LISTEN
+                found.append((_address(address), int(row[9])))
+    return found
+
+
+def _socket_inodes(pid):
+    inodes = set()
+    try:
+        fds = os.listdir(f'/proc/{pid}/fd')
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            link = os.readlink(f'/proc/{pid}/fd/{fd}')
+        except OSError:
+            continue
+        if link.startswith('socket:['):
+            inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def _holder(inode):
+    """'pid N: command line' of a process that holds socket ``inode``."""
+    for name in os.listdir('/proc'):
+        if name.isdigit() and inode in _socket_inodes(name):
+            try:
+                with open(f'/proc/{name}/cmdline', 'rb') as f:
+                    raw = f.read().replace(b'\0', b' ')
+                cmdline = ' '.join(raw.decode('utf-8', 'replace').split())
+            except OSError:
+                cmdline = '?'
+            return f'pid {name}: {cmdline[:120]}'
+    return 'a process of another user'
+
+
+def _blocking_listeners(host, port):
+    """Inodes of the sockets listening where a bind to host:port would collide."""
+    return [inode for address, inode in _listeners(port)
+            if address in (host, '0.0.0.0', '::')]
+
+
+def _await_listening(proc, host, port, deadline, caught):
+    """Poll until process ``proc`` listens on host:port: None then, else why not:
+    ``('taken', inode)``, ``('exited', code)``, ``('signal', signum)``, ``('timeout',)``
+    or ``('limit',)``."""
+    limit = time.monotonic() + _LISTEN_LIMIT
+    while True:
+        if caught:
+            return ('signal', caught[0])
+        blocking = _blocking_listeners(host, port)
+        if blocking:
+            mine = _socket_inodes(proc.pid)
+            if any(inode in mine for inode in blocking):
+                return None
+            return ('taken', blocking[0])
+        code = proc.poll()
+        if code is not None:
+            return ('exited', code)
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            return ('timeout',)
+        if now > limit:
+            return ('limit',)
+        time.sleep(_POLL)
+
+
+class _Gate:
+    """Holds a process's output back until it is shown (``open``) or dropped (``drop``)."""
+
+    def __init__(self):
+        self.lines, self.state = [], 'hold'
+
+    def open(self, stream, lock):
+        with lock:
+            for line in self.lines:
+                stream.write(line)
+            stream.flush()
+            self.state = 'open'
+
+    def drop(self, lock):
+        with lock:
+            self.state = 'drop'
 
 
 def _status(returncode):
@@ -96,12 +265,16 @@ def _status(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _pump(pipe, prefix, stream, lock):
-    """Copy ``pipe`` to ``stream`` line by line with ``prefix``."""
+def _pump(pipe, prefix, stream, lock, gate=None):
+    """Copy ``pipe`` to ``stream`` line by line with ``prefix`` (held back by ``gate``)."""
     with pipe:
         for raw in iter(pipe.readline, b''):
             line = raw.decode('utf-8', 'replace').rstrip('\r\n')
             with lock:
+                if gate is not None and gate.state != 'open':
+                    if gate.state == 'hold':
+                        gate.lines.append(f'{prefix}{line}\n')
+                    continue
                 stream.write(f'{prefix}{line}\n')
                 stream.flush()
 
@@ -142,17 +315,99 @@ def _check_counts(num_workers, num_servers):
             raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
 
 
+class _Job:
+    """The processes of one job, their output and the launcher's messages."""
+
+    def __init__(self, stream, env, caught):
+        self.stream, self.env, self.caught = stream, env, caught
+        self.lock = threading.Lock()
+        self.procs, self.threads, self.states, self.said = [], [], {}, []
+
+    def say(self, message):
+        self.said.append(message)
+        with self.lock:
+            self.stream.write(f'[launch] {message}\n')
+            self.stream.flush()
+
+    def spawn(self, label, role, rank, argv, gate=None):
+        penv = dict(self.env, DMLC_ROLE=role, MX_LBSGD_ROLE=role, MX_LBSGD_RANK=str(rank))
+        if role != 'worker':     # so that the bootstrap imports this very mx_lbsgd
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            penv['PYTHONPATH'] = os.pathsep.join(p for p in (root, penv.get('PYTHONPATH')) if p)
+        proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append((label, proc))
+        thread = threading.Thread(target=_pump, daemon=True, args=(
+            proc.stdout, f'[{label}] ', self.stream, self.lock, gate))
+        thread.start()
+        self.threads.append(thread)
+        return proc
+
+    def start_scheduler(self, port, given, timeout, deadline):
+        """Start the scheduler and wait until it listens on its port (another port if one
+        drawn at random is taken first). Returns None then, else the job's exit status."""
+        host, tried = self.env['DMLC_PS_ROOT_URI'], []
+        while True:
+            tried.append(port)
+            self.env['DMLC_PS_ROOT_PORT'] = str(port)
+            gate = _Gate()
+            proc = self.spawn('scheduler', 'scheduler', 0, [sys.executable, '-c', _BOOTSTRAP],
+                              gate)
+            why = _await_listening(proc, host, port, deadline, self.caught)
+            if why is None:
+                gate.open(self.stream, self.lock)
+                return None
+            if why[0] == 'exited':
+                self.threads[-1].join(timeout=2)       # its last words, read below
+            if why[0] == 'taken' or (why[0] == 'exited' and
+                                     any('bind failed' in line for line in gate.lines)):
+                gate.drop(self.lock)
+                _teardown(self.procs[-1:])
+                del self.procs[-1]
+                blocking = [why[1]] if why[0] == 'taken' else _blocking_listeners(host, port)
+                who = _holder(blocking[0]) if blocking else 'its holder has gone'
+                if given or len(tried) == _PORT_TRIES:
+                    self.say(f'the scheduler cannot listen on {host}:{port}: the port is '
+                             f'already in use ({who})')
+                    return 2
+                port = _choose_port(tried)
+                self.say(f'port {tried[-1]} was taken before the scheduler bound it ({who}); '
+                         f'trying port {port}')
+                continue
+            gate.open(self.stream, self.lock)
+            if why[0] == 'signal':
+                self.say('interrupted; stopping all processes' if why[1] == signal.SIGINT
+                         else 'got SIGTERM; stopping all processes')
+                return _SIGNAL_STATUS[why[1]]
+            if why[0] == 'timeout':
+                self.say(f'timeout after {timeout:g} s, before the scheduler listened on '
+                         f'{host}:{port}; stopping it')
+                return 124
+            if why[0] == 'limit':
+                self.say(f'the scheduler does not listen on {host}:{port} after '
+                         f'{_LISTEN_LIMIT:g} s; stopping it')
+                return 1
+            self.say(f'scheduler {_how(why[1])} before listening on {host}:{port}')
+            return _status(why[1])
+
+
+def _how(code):
+    return f'killed by signal {-code}' if code < 0 else f'exited with code {code}'
+
+
 def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=None,
            stream=None, on_start=None, report=None):
     """Run ``command`` (a list of arguments) as ``num_workers`` workers of a local PS job.
 
-    ``port``: the scheduler's port (default: a free one); ValueError if it is in use.
-    ``timeout``: wall-clock limit in seconds (None: none). ``env``: variables added to
-    ``os.environ`` for every process. ``stream``: where prefixed output goes (default
-    ``sys.stdout``). ``on_start``: called with ``{label: pid}`` once every process has
-    started (each pid is also its process group). ``report``: a dict, filled in with
-    ``'status'`` (the return value) and ``'processes'``: ``{label: {'status', 'note'}}`` for
-    every process (see ``_summary``). Returns the exit status (module doc).
+    ``port``: the scheduler's port (default: a free one outside the ephemeral range);
+    ValueError if it is in use. ``timeout``: wall-clock limit in seconds (None: none).
+    ``env``: variables added to ``os.environ`` for every process. ``stream``: where
+    prefixed output goes (default ``sys.stdout``). ``on_start``: called with
+    ``{label: pid}`` once every process has started (each pid is also its process group).
+    ``report``: a dict, filled in with ``'status'`` (the return value), ``'processes'``:
+    ``{label: {'status', 'note'}}`` for every process (see ``_summary``), and ``'host'``
+    and ``'port'``, the scheduler's address. Returns the exit status (module doc).
     """
     command = list(command)
     if not command:
@@ -160,97 +415,78 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
     _check_counts(num_workers, num_servers)
     if timeout is not None and timeout <= 0:
         raise ValueError(f'timeout must be > 0, got {timeout!r}')
-    if port is None:
-        port = _free_port()
+    given = port is not None
+    if not given:
+        port = _choose_port()
     elif not 0 < port < 65536:
         raise ValueError(f'port must be in 1..65535, got {port!r}')
     else:
         _check_port(port)
-    stream = sys.stdout if stream is None else stream
-    lock = threading.Lock()
-
-    def say(message):
-        said.append(message)
-        with lock:
-            stream.write(f'[launch] {message}\n')
-            stream.flush()
-
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    host = _job_host()
     base = dict(os.environ)
     base.update(env or {})
+    for name in _SHARED_ENV:
+        base.pop(name, None)
     base.setdefault('OMP_NUM_THREADS', '1')
     base.setdefault('PYTHONUNBUFFERED', '1')
-    base.update(DMLC_PS_ROOT_URI='127.0.0.1', DMLC_PS_ROOT_PORT=str(port),
-                DMLC_NUM_SERVER=str(num_servers), DMLC_NUM_WORKER=str(num_workers))
-    base.setdefault('DMLC_NODE_HOST', '127.0.0.1')
-    # the directory holding this package, so the bootstrap imports this very mx_lbsgd
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    bootstrap = [sys.executable, '-c', _BOOTSTRAP]
-    jobs = [('scheduler', 'scheduler', 0, bootstrap)]
-    jobs += [(f'server {i}', 'server', i, bootstrap) for i in range(num_servers)]
-    jobs += [(f'worker {i}', 'worker', i, command) for i in range(num_workers)]
-
-    procs, threads, states = [], [], {}
-    said = []
-    # SIGINT/SIGTERM only set a flag that _wait polls: an exception raised at an arbitrary
+    base.update(DMLC_PS_ROOT_URI=host, DMLC_NODE_HOST=host, DMLC_NUM_SERVER=str(num_servers),
+                DMLC_NUM_WORKER=str(num_workers))
+    # SIGINT/SIGTERM only set a flag that the waits poll: an exception raised at an arbitrary
     # point could leave a lock held (Popen.poll's waitpid lock), and the teardown would then
     # wait on it forever
     caught = []
+    job = _Job(sys.stdout if stream is None else stream, base, caught)
     on_main = threading.current_thread() is threading.main_thread()
     if on_main:
         old_handlers = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
                         for sig in _SIGNAL_STATUS}
     try:
         try:
-            for label, role, rank, argv in jobs:
-                penv = dict(base, DMLC_ROLE=role, MX_LBSGD_ROLE=role, MX_LBSGD_RANK=str(rank))
-                if role != 'worker':
-                    penv['PYTHONPATH'] = os.pathsep.join(
-                        p for p in (root, penv.get('PYTHONPATH')) if p)
-                proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-                procs.append((label, proc))
-                thread = threading.Thread(target=_pump, daemon=True,
-                                          args=(proc.stdout, f'[{label}] ', stream, lock))
-                thread.start()
-                threads.append(thread)
-            if on_start is not None:
-                on_start({label: proc.pid for label, proc in procs})
-            status = _wait(procs, timeout, say, states, caught)
+            status = job.start_scheduler(port, given, timeout, deadline)
+            if status is None:
+                for i in range(num_servers):
+                    job.spawn(f'server {i}', 'server', i, [sys.executable, '-c', _BOOTSTRAP])
+                for i in range(num_workers):
+                    job.spawn(f'worker {i}', 'worker', i, command)
+                if on_start is not None:
+                    on_start({label: proc.pid for label, proc in job.procs})
+                status = _wait(job.procs, timeout, start, job.say, job.states, caught)
         except KeyboardInterrupt:          # not on the main thread: Python's own handler
-            say('interrupted; stopping all processes')
+            job.say('interrupted; stopping all processes')
             status = 130
         except FileNotFoundError as err:
-            say(f'cannot start {err.filename!r}: {err.strerror}')
+            job.say(f'cannot start {err.filename!r}: {err.strerror}')
             status = 127
         finally:
-            for label, proc in procs:
-                if proc.poll() is None and label not in states:
-                    states[label] = 'still running; stopped by the launcher'
-            _teardown(procs)
+            for label, proc in job.procs:
+                if proc.poll() is None and label not in job.states:
+                    job.states[label] = 'still running; stopped by the launcher'
+            _teardown(job.procs)
     finally:
         if on_main:
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
     drained = time.monotonic() + 2          # the output threads end with their pipes
-    for thread in threads:
+    for thread in job.threads:
         thread.join(timeout=max(0.0, drained - time.monotonic()))
-    summary = _summary(procs, states)
-    if said:          # the launcher stepped in: say how every process ended
-        say('exit status: ' + ', '.join(
+    summary = _summary(job.procs, job.states)
+    if job.said and summary:        # the launcher stepped in: say how every process ended
+        job.say('exit status: ' + ', '.join(
             f'{label}: {_describe(entry)}' for label, entry in summary.items()))
     if report is not None:
-        report.update(status=status, processes=summary)
+        report.update(status=status, processes=summary, host=host,
+                      port=int(base['DMLC_PS_ROOT_PORT']))
     return status
 
 
-def _wait(procs, timeout, say, states, caught=()):
+def _wait(procs, timeout, start, say, states, caught=()):
     """Poll until the workers are done, something fails or the time is up; returns status.
 
     ``states`` maps each label to a note on how the launcher ended that process (filled in
     here for the processes it stops on purpose; see ``_summary``).
     """
-    start = time.monotonic()
     workers = [p for label, p in procs if label.startswith('worker')]
     scheduler = procs[0][1]
     done_at = barrier_at = None
@@ -262,8 +498,7 @@ def _wait(procs, timeout, say, states, caught=()):
         for label, proc in procs:
             code = proc.poll()
             if code and label not in states:
-                how = f'killed by signal {-code}' if code < 0 else f'exited with code {code}'
-                say(f'{label} {how}; stopping all processes')
+                say(f'{label} {_how(code)}; stopping all processes')
                 return _status(code)
         now = time.monotonic()
         if all(p.returncode == 0 or label in states for label, p in procs):
@@ -362,7 +597,9 @@ def main(argv=None):
                         help='number of worker processes')
     parser.add_argument('-s', '--num-servers', type=_positive_int, default=1,
                         help='number of server processes (default 1)')
-    parser.add_argument('--port', type=_port, help="scheduler's port (default: a free one)")
+    parser.add_argument('--port', type=_port,
+                        help="scheduler's port (default: a random free one outside the kernel's "
+                             'ephemeral range)')
     parser.add_argument('--timeout', type=_positive_float,
                         help='wall-clock limit in seconds; exit 124 when it expires')
     parser.add_argument('command', nargs=argparse.REMAINDER,

@@ -13,6 +13,8 @@ import uuid
 
 import pytest
 
+import launch_probe
+import mx_lbsgd.launch as launch_module
 from mx_lbsgd.launch import launch, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +61,8 @@ def tag():
 def _run(tmp_path, tag, source, num_workers, **kwargs):
     script = tmp_path / 'worker.py'
     script.write_text(textwrap.dedent(source))
-    out = io.StringIO()
-    env = {TAG: tag, 'PYTHONPATH': ROOT}
+    out = kwargs.pop('stream', None) or io.StringIO()
+    env = {TAG: tag, 'PYTHONPATH': ROOT, 'PROBE_DIR': str(tmp_path)}
     start = time.monotonic()
     code = launch([sys.executable, str(script)], num_workers, env=env, stream=out,
                   timeout=kwargs.pop('timeout', LIMIT), **kwargs)
@@ -68,6 +70,7 @@ def _run(tmp_path, tag, source, num_workers, **kwargs):
 
 
 def test_dist_sync_two_workers(tmp_path, tag):
+    report = {}
     code, out, elapsed = _run(tmp_path, tag, """
         import os
         import mxnet as mx
@@ -79,7 +82,9 @@ def test_dist_sync_two_workers(tmp_path, tag):
         kv.pull(3, out=out)
         assert (out.asnumpy() == 3).all(), out
         print('rank', kv.rank, 'label', os.environ['MX_LBSGD_RANK'], 'role', os.environ['DMLC_ROLE'])
-    """, 2)
+        print('at', os.environ['DMLC_PS_ROOT_URI'], os.environ['DMLC_NODE_HOST'],
+              os.environ['DMLC_PS_ROOT_PORT'])
+    """, 2, report=report)
     assert code == 0, out
     assert elapsed < 40
     for rank in (0, 1):
@@ -87,6 +92,11 @@ def test_dist_sync_two_workers(tmp_path, tag):
         assert f'rank {rank} label' in out
     assert out.count('role worker') == 2
     assert '[launch]' not in out      # the servers and the scheduler stopped by themselves
+    host, port = report['host'], report['port']
+    assert out.count(f'at {host} {host} {port}') == 2
+    assert host.startswith('127.') and host != '127.0.0.1'
+    low, high = launch_module._ephemeral_range()
+    assert not low <= port <= high and not 10000 <= port < 50000
     _assert_gone(tag)
 
 
@@ -352,3 +362,224 @@ def test_workers_exiting_without_freeing_the_kvstore(tmp_path, tag):
         assert report['processes'][label] == dict(status=0, note='')
     assert wall < LIMIT / 2
     _assert_gone(tag)
+
+
+# -- ports: no process of another job can reach this job's nodes ----------------------------
+
+# a worker that syncs once with the others, says 'up', and syncs again once PROBE_DIR/go exists
+WAITING_WORKER = """
+    import os, time
+    import mxnet as mx
+    kv = mx.kv.create('dist_sync')
+    kv.init(0, mx.nd.zeros((2,)))
+    def sync():
+        kv.push(0, mx.nd.ones((2,)))
+        out = mx.nd.zeros((2,))
+        kv.pull(0, out=out)
+        return out.asnumpy().tolist()
+    print('up', sync(), flush=True)
+    while not os.path.exists(os.path.join(os.environ['PROBE_DIR'], 'go')):
+        time.sleep(0.05)
+    print('synced again', sync(), flush=True)
+"""
+
+
+class _Watched(io.StringIO):
+    """The launcher's output; ``seen`` is set once ``marker`` has appeared ``count`` times."""
+
+    def __init__(self, marker, count):
+        super().__init__()
+        self.marker, self.count, self.seen = marker, count, threading.Event()
+
+    def write(self, text):
+        written = super().write(text)
+        if self.getvalue().count(self.marker) >= self.count:
+            self.seen.set()
+        return written
+
+
+def test_scheduler_ports_outside_what_the_kernel_and_ps_lite_hand_out(tmp_path, monkeypatch):
+    low, high = launch_module._ephemeral_range()
+    drawn = {launch_module._choose_port() for _ in range(200)}
+    assert len(drawn) > 150                     # drawn at random, not a sequence
+    assert all(not low <= p <= high and not 10000 <= p < 50000 and 1024 <= p for p in drawn)
+    socks = []
+    try:
+        for _ in range(300):        # what ps-lite's GetAvailablePort gets for a node: bind(0)
+            socks.append(socket.socket())
+            socks[-1].bind(('', 0))
+        assert all(low <= s.getsockname()[1] <= high for s in socks)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert len({launch_module._job_host() for _ in range(50)}) == 50
+    ranges = tmp_path / 'ip_local_port_range'
+    ranges.write_text('1024\t65535\n')
+    monkeypatch.setattr(launch_module, '_PORT_RANGE_FILE', str(ranges))
+    with pytest.raises(ValueError, match=r'ephemeral range 1024-65535 .*\(--port\)'):
+        launch([sys.executable, '-c', 'pass'], 1)
+
+
+@pytest.mark.parametrize('given, holder_seen', [
+    pytest.param(True, True, id='given-port'),
+    pytest.param(True, False, id='given-port-scheduler-aborts'),
+    pytest.param(False, True, id='drawn-port-draws-another'),
+])
+def test_port_taken_before_the_scheduler_binds(given, holder_seen, tmp_path, tag, monkeypatch):
+    """The issue's first mechanism, forced: another process listens on the scheduler's port
+    after the launcher checked it and before the scheduler binds it. No server or worker
+    starts on a port the scheduler does not hold."""
+    env = {TAG: tag, 'PYTHONPATH': ROOT}
+    port, intruders = launch_module._choose_port(), []
+    job_host, choose_port = launch_module._job_host, launch_module._choose_port
+
+    def host_after_intruding():           # runs between the port check and the scheduler
+        intruders.append(launch_probe.start_intruder(port, env))
+        return job_host()
+    monkeypatch.setattr(launch_module, '_job_host', host_after_intruding)
+    monkeypatch.setattr(launch_module, '_choose_port',
+                        lambda tried=(): choose_port(tried) if tried else port)
+    if not holder_seen:          # the launcher learns it from the scheduler's abort only
+        monkeypatch.setattr(launch_module, '_blocking_listeners', lambda host, port: [])
+    started, report = [], {}
+    try:
+        code, out, elapsed = _run(tmp_path, tag, "print('worker ran')", 1, report=report,
+                                  port=port if given else None, on_start=started.append)
+    finally:
+        for proc in intruders:
+            launch_probe.stop(proc)
+    holder = f'(pid {intruders[0].pid}: '
+    if given:
+        assert code == 2, out
+        assert elapsed < 15
+        assert out.count('\n') == 1, out       # the scheduler's abort is not shown
+        assert out.startswith(f'[launch] the scheduler cannot listen on {report["host"]}:{port}'
+                              ': the port is already in use'), out
+        assert (holder in out) == holder_seen, out
+        assert started == [] and report['processes'] == {}
+    else:
+        assert code == 0, out
+        assert f'[launch] port {port} was taken before the scheduler bound it {holder}' in out
+        assert report['port'] != port and f'trying port {report["port"]}' in out
+        assert '[worker 0] worker ran' in out
+    _assert_gone(tag)
+
+
+@pytest.mark.parametrize('target, shared_address', [
+    pytest.param('scheduler', True, id='scheduler-port-one-address-for-all-jobs-control'),
+    pytest.param('scheduler', False, id='scheduler-port'),
+    pytest.param('server', True, id='server-port-one-address-for-all-jobs-control'),
+    pytest.param('server', False, id='server-port'),
+])
+def test_stale_worker_of_an_earlier_job(target, shared_address, tmp_path, tag, monkeypatch):
+    """The issue's second mechanism, forced: a worker of an earlier job (at 127.0.0.1, as
+    every job was before) keeps reconnecting to its scheduler's port with its registration
+    queued, and the next job's scheduler or server 0 listens on that port. With one address
+    for all jobs (the control) the registration reaches the new job: server 0 aborts with the
+    issue's ``Check failed: is_scheduler_``; the new scheduler takes the stale worker for
+    one of its own. With the job's own address it cannot."""
+    if shared_address:
+        monkeypatch.setattr(launch_module, '_job_host', lambda: '127.0.0.1')
+        monkeypatch.setattr(launch_module, '_EXIT_HANG', 2.0)
+    env = {'PYTHONPATH': ROOT}
+    stale, started, killed = [], {}, []
+    out = _Watched('] up ', 1)
+    if target == 'scheduler':
+        port = launch_module._choose_port()
+        stale.append(launch_probe.start_stale_worker('127.0.0.1', port, env))
+        (tmp_path / 'go').touch()
+    else:
+        port = None
+
+        def stale_on_server_port():
+            if out.seen.wait(LIMIT):
+                server = started['server 0']
+                launch_probe.wait_for(lambda: launch_probe.listening_ports(server), 10,
+                                      'listening port of server 0')
+                [server_port] = launch_probe.listening_ports(server)
+                stale.append(launch_probe.start_stale_worker('127.0.0.1', server_port, env))
+                time.sleep(2)                  # ZeroMQ reconnects every 100-200 ms
+                (tmp_path / 'go').touch()
+        thread = threading.Thread(target=stale_on_server_port, daemon=True)
+        thread.start()
+    try:
+        code, text, _ = _run(tmp_path, tag, WAITING_WORKER, 1, stream=out, port=port,
+                             on_start=started.update)
+        if target == 'server':
+            thread.join()
+        assert stale, text
+        stale_alive = stale[0].poll() is None
+    finally:
+        for proc in stale:
+            launch_probe.stop(proc)
+    if not shared_address:
+        assert code == 0, text
+        assert '[worker 0] synced again [1.0, 1.0]' in text
+        assert stale_alive            # still waiting for an answer nobody sends
+    elif target == 'server':
+        assert code == 128 + signal.SIGABRT, text
+        assert '[launch] server 0 killed by signal 6' in text
+        assert 'Check failed: is_scheduler_' in text
+    else:       # the new scheduler counts the stale worker as one of the job's: depending on
+        # who registers first, the real worker never runs (the stale one takes its slot and
+        # the job ends 0), or the scheduler aborts; either way the job does not do its work
+        assert code != 0 or '[worker 0] synced again' not in text, text
+    _assert_gone(tag, list(started.values()))
+
+
+@pytest.mark.parametrize('victim', ['scheduler', 'server 0', 'worker 1'])
+def test_sigkill_drill(victim, tmp_path, tag):
+    """SIGKILL one process of a running job: the job ends within 15 s, non-zero, the
+    launcher names the process, nothing is left."""
+    out, started, killed_at = _Watched('] up ', 2), {}, []
+
+    def kill_when_up():
+        if out.seen.wait(LIMIT):
+            killed_at.append(time.monotonic())
+            os.kill(started[victim], signal.SIGKILL)
+    thread = threading.Thread(target=kill_when_up, daemon=True)
+    thread.start()
+    code, text, _ = _run(tmp_path, tag, WAITING_WORKER, 2, stream=out, on_start=started.update)
+    ended = time.monotonic()
+    thread.join()
+    assert killed_at, text
+    assert code == 128 + signal.SIGKILL, text
+    assert f'[launch] {victim} killed by signal 9; stopping all processes' in text
+    assert ended - killed_at[0] < 15
+    _assert_gone(tag, list(started.values()))
+
+
+SUM_WORKER = """
+    import mxnet as mx
+    kv = mx.kv.create('dist_sync')
+    kv.init(3, mx.nd.zeros((4,)))
+    kv.push(3, mx.nd.ones((4,)) * (kv.rank + 1))
+    out = mx.nd.zeros((4,))
+    kv.pull(3, out=out)
+    assert (out.asnumpy() == 3).all(), out
+    print('summed', flush=True)
+"""
+
+
+def test_back_to_back_jobs_under_load(tmp_path, tag):
+    """CI-sized soak: jobs back to back while a process spins on a core and a worker of an
+    earlier job keeps reconnecting to its scheduler at 127.0.0.1 (full soak: benchmarks/
+    soak_dist.py)."""
+    spinner = subprocess.Popen([sys.executable, '-c', 'while True: pass'],
+                               start_new_session=True)
+    stale = launch_probe.start_stale_worker('127.0.0.1', launch_module._choose_port(),
+                                            {'PYTHONPATH': ROOT})
+    addresses = set()
+    try:
+        for job in range(5):
+            report = {}
+            code, out, _ = _run(tmp_path, f'{tag}-{job}', SUM_WORKER, 2, report=report)
+            assert code == 0, out
+            assert out.count('] summed') == 2, out
+            addresses.add((report['host'], report['port']))
+            _assert_gone(f'{tag}-{job}')
+        assert stale.poll() is None
+    finally:
+        launch_probe.stop(spinner)
+        launch_probe.stop(stale)
+    assert len(addresses) == 5
