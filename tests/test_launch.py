@@ -360,7 +360,7 @@ def test_workers_exiting_without_freeing_the_kvstore(tmp_path, tag):
             'still running after the workers succeeded; stopped', out
     for label in ('worker 0', 'worker 1'):
         assert report['processes'][label] == dict(status=0, note='')
-    assert wall < LIMIT / 2
+    assert wall < LIMIT * 0.75     # stopped, not timed out (35 s seen at load average 12)
     _assert_gone(tag)
 
 
