@@ -2,7 +2,8 @@
 
 ``import mx_lbsgd`` registers :class:`LBSGD` as ``'lbsgd'`` (replacing MXNet's own), so
 ``mx.optimizer.create('lbsgd')``, ``gluon.Trainer(params, 'lbsgd')`` and
-``Module.fit(optimizer='lbsgd')`` use it, and registers :class:`LossScaledSGD` as ``'lssgd'``.
+``Module.fit(optimizer='lbsgd')`` use it, registers :class:`LossScaledSGD` as ``'lssgd'``
+and :class:`LAMB` as ``'lblamb'`` (MXNet's ``'lamb'`` stays MXNet's).
 """
 import warnings
 
@@ -11,6 +12,7 @@ import mxnet as mx
 from . import checkpoint, counting
 from ._graph_scale import scale_gradient
 from .gluon import LossScaling, bind, init_kvstore
+from .lamb import LAMB
 from .lbsgd import LBSGD
 from .lssgd import LossScaledSGD
 from .loss_scale import DynamicLossScaler, LossScaleStuckError
@@ -19,7 +21,8 @@ from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 
 __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
            'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling',
-           'LossScaledSGD', 'scale_gradient', 'checkpoint', 'init_kvstore', 'bind', 'counting']
+           'LossScaledSGD', 'LAMB', 'scale_gradient', 'checkpoint', 'init_kvstore', 'bind',
+           'counting']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.
@@ -30,3 +33,4 @@ with warnings.catch_warnings():
     mx.optimizer.register(LBSGD)
     mx.optimizer.register(LossScaledSGD)      # as 'losscaledsgd'
 mx.optimizer.Optimizer.opt_registry['lssgd'] = LossScaledSGD
+mx.optimizer.Optimizer.opt_registry['lblamb'] = LAMB     # register() would take 'lamb'

@@ -33,6 +33,10 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
     """Base of mx_lbsgd's optimizers; see the module docstring. Subclasses set
     ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`."""
 
+    #: what num_update (so an lr_scheduler) counts: micro-batches, as MXNet's LBSGD does
+    #: (False), or applied updates (True)
+    counts_applied_updates = False
+
     #: attributes that are rebuilt, never pickled
     _TRANSIENT = ('_scratch', '_plans', '_gate', '_ledger', '_family', '_warmup', '_trust',
                   '_accumulator', '_step_window')
@@ -245,7 +249,8 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
                 for i in call[0]:
                     counts[i] -= window - 1
         if runs and self._gate.take_skip():
-            self.num_update = self._ledger.skipped(self.num_update, window)
+            self.num_update = self._ledger.skipped(
+                self.num_update, 1 if self.counts_applied_updates else window)
         _graph_scale.serve(self.scale_key, self.loss_scaler)
 
     def _gradient_scale(self):
@@ -259,8 +264,13 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
     def _update_count(self, index):
         super()._update_count(index)
         _, counts = _compat.update_counts(self)
-        self.num_update = self._ledger.counted(self.num_update,
-                                               max(counts[i] for i in index))
+        top = max(counts[i] for i in index)
+        if self.counts_applied_updates:
+            first = self.begin_num_update
+            self.num_update = (first + (top - first) // self.batch_scale
+                               + self._ledger.skipped_updates)
+        else:
+            self.num_update = self._ledger.counted(self.num_update, top)
 
     def _plan(self, index, weight, grad, state):
         """Per call signature, computed once: the state parts, the kernel routes (tensors
@@ -313,8 +323,11 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
             grad, rescale = window
         lrs = self._warmup.scale_lrs(self._get_lrs(index), positions)
         wds = self._get_wds(index)
+        steps = [k // self.batch_scale for k in positions]     # this update's number t
         keep = plan['keep_lr']
-        trust = self._trust if keep is not None and not all(keep) else None
+        in_kernel = self._family.trust_in_kernel
+        ratio_applies = None if keep is None else [not k for k in keep]
+        trust = self._trust if keep is not None and not all(keep) and not in_kernel else None
         for kernel, pos in plan['routes']:
             pick = lambda seq: [seq[j] for j in pos]   # noqa: E731
             weights, grads, masters = pick(weight), pick(grad), pick(plan['masters'])
@@ -327,7 +340,10 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
             self._family.run(kernel, weights=weights, grads=grads,
                              states=pick(plan['states']), masters=masters, lrs=pick(lrs),
                              wds=pick(wds), lr_vector=lr_vector, rescale_grad=rescale,
-                             clip_gradient=self.clip_gradient, scratch=self._scratch)
+                             clip_gradient=self.clip_gradient, scratch=self._scratch,
+                             steps=pick(steps),
+                             ratio_applies=None if ratio_applies is None
+                             else pick(ratio_applies))
         if plan['sparse']:
             self._apply_sparse(plan, weight, grad, lrs, wds, rescale, trust)
 

@@ -23,6 +23,7 @@ class SGDFamily:
 
     name = 'SGD'
     supports_sparse = True
+    trust_in_kernel = False   # LARS: the shell's trust-ratio piece gives lr_vector
     single_tensor = None      # set below: the module's kernels
     multi_tensor = None
 
@@ -48,7 +49,8 @@ class SGDFamily:
     def describe(self):
         return 'momentum=%g' % self.momentum
 
-    def run(self, kernel, *, states, **common):
+    def run(self, kernel, *, states, steps, ratio_applies, **common):  # noqa: ARG002
+        """Run `kernel` (LARS reaches it as `lr_vector`; SGD has no step count)."""
         kernel(moms=states, momentum=self.momentum, **common)
 
     def run_sparse(self, *, states, lrs, **common):

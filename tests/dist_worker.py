@@ -32,7 +32,10 @@ X, Y, _, _ = digits()
 
 
 def _optimizer_params(cfg):
-    params = dict(learning_rate=0.1, momentum=0.9, wd=1e-4, **copy.deepcopy(cfg['params']))
+    defaults = dict(learning_rate=0.1, wd=1e-4)
+    if cfg['optimizer'] != 'lblamb':            # LAMB has no momentum argument
+        defaults['momentum'] = 0.9
+    params = dict(defaults, **copy.deepcopy(cfg['params']))
     if 'loss_scaler' in params:
         params['loss_scaler'] = mx_lbsgd.DynamicLossScaler(**params['loss_scaler'])
     return params

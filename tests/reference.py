@@ -155,3 +155,35 @@ def _numpy_sgd():
 
 def NumpySGD(**kwargs):    # noqa: N802  (a class, built when first used: it needs mxnet)
     return _numpy_sgd()(**kwargs)
+
+
+def lamb_step(w, g, mean, var, t, lr, wd, beta1=0.9, beta2=0.999, epsilon=1e-6,
+              lower_bound=None, upper_bound=None, bias_correction=True, rescale=1.0,
+              clip=None, ratio=True):
+    """One LAMB update in float64 (You et al. 2019, MXNet's lamb_update_phase1/phase2
+    documentation); returns (w, mean, var)::
+
+        g = clip(rescale * g, clip)
+        mean = beta1 * mean + (1 - beta1) * g;  var = beta2 * var + (1 - beta2) * g ** 2
+        m, v = mean / (1 - beta1 ** t), var / (1 - beta2 ** t)    (if bias_correction)
+        d = m / (sqrt(v) + epsilon) + wd * w
+        r1 = |w| clipped to [lower_bound, upper_bound] (a bound counts when set and > 0)
+        w = w - lr * (r1 / |d| if ratio and r1 > 0 and |d| > 0 else 1) * d
+    """
+    g = rescale * np.asarray(g, dtype=np.float64)
+    if clip is not None and clip > 0:
+        g = np.clip(g, -clip, clip)
+    mean = beta1 * mean + (1 - beta1) * g
+    var = beta2 * var + (1 - beta2) * g * g
+    m, v = mean, var
+    if bias_correction:
+        m, v = mean / (1 - beta1 ** t), var / (1 - beta2 ** t)
+    d = m / (np.sqrt(v) + epsilon) + wd * w
+    r1 = float(np.sqrt(np.sum(w * w)))
+    if lower_bound is not None and lower_bound > 0:
+        r1 = max(r1, lower_bound)
+    if upper_bound is not None and upper_bound > 0:
+        r1 = min(r1, upper_bound)
+    r2 = float(np.sqrt(np.sum(d * d)))
+    trust = r1 / r2 if ratio and r1 > 0 and r2 > 0 else 1.0
+    return w - lr * trust * d, mean, var

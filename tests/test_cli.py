@@ -134,6 +134,18 @@ def test_single_is_the_former_default_run(tmp_path):
     assert summary['dtype'] == 'float16' and summary['args']['epochs'] == 1
 
 
+def test_train_lblamb_fp16_accumulated_with_loss_scaling(tmp_path):
+    """The default main run's shape (fp16, batch_scale 8, dynamic loss scale) with LAMB."""
+    out = tmp_path / 'lamb'
+    assert main(['train', '--optimizer', 'lblamb', '--no-baseline', '--epochs', '8',
+                 '--out', str(out), '--quiet']) == 0
+    summary = json.loads((out / 'summary.json').read_text())
+    assert (summary['optimizer'], summary['dtype'], summary['effective_batch_size']) == \
+        ('lblamb', 'float16', 256)
+    assert summary['updates'] == summary['total_steps'] // 8 - summary['skipped_steps']
+    assert summary['final_test_acc'] > 0.85
+
+
 def test_train_float16_dynamic_loss_scale(tmp_path):
     out = tmp_path / 'fp16'
     assert main(['train', '--single', '--epochs', '1', '--dtype', 'float16', '--optimizer',

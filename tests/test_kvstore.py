@@ -117,6 +117,14 @@ DIST = [
                         steps=8, kvstore='dist_sync', update_on_kvstore=False,
                         inject={'1': 1}),
                  id='gluon-window-scaled-inf-on-one-worker-mid-window'),
+] + [
+    # LAMB: B micro-batches per worker equal one LAMB step on the whole batch's mean
+    pytest.param(config('gluon', 'lblamb', dict(params, batch_scale=4), steps=8,
+                        kvstore='dist_sync', update_on_kvstore=False, inject=inject),
+                 id='gluon-window-lblamb-B4' + tag)
+    for params, inject, tag in ((dict(learning_rate=0.01), {}, ''),
+                                (dict(SCALED, learning_rate=0.01), {'1': 1},
+                                 '-scaled-inf-on-one-worker-mid-window'))
 ]
 
 

@@ -44,6 +44,20 @@ TRAINER_CASES = [
 ]
 
 
+@pytest.mark.parametrize('B, lr', [pytest.param(1, 0.005, id='B1'),
+                                   pytest.param(4, 0.015, id='B4')])
+def test_gluon_trainer_learns_digits_with_lblamb(B, lr):
+    net = mlp()
+    trainer = mx.gluon.Trainer(net.collect_params(), 'lblamb',
+                               dict(learning_rate=lr, wd=1e-4, batch_scale=B,
+                                    trust_exclude=True))
+    losses = train_steps(net, trainer, batches(16, 6))
+    per_epoch = np.array(losses).reshape(6, -1).mean(axis=1)
+    assert per_epoch[-1] < 0.3 * per_epoch[0]
+    assert accuracy(net, XT, YT) > 0.93
+    assert trainer.optimizer.num_update == len(losses) // B
+
+
 @pytest.mark.parametrize('params, threshold', TRAINER_CASES)
 def test_gluon_trainer_learns_digits(params, threshold):
     net = mlp()

@@ -11,13 +11,15 @@ from typing import Optional, Tuple, Union
 
 from .data import DATASETS
 
-__all__ = ['OPTIMIZERS', 'WARMUP_OPTIMIZERS', 'DEFAULT_LR', 'DEFAULT_LARS_LR', 'DEMO_DEFAULTS',
+__all__ = ['OPTIMIZERS', 'WARMUP_OPTIMIZERS', 'ACCUMULATING_OPTIMIZERS', 'DEFAULT_LR', 'DEFAULT_LARS_LR', 'DEMO_DEFAULTS',
            'ConfigError', 'TrainConfig', 'check', 'baseline_config']
 
-OPTIMIZERS = ('lbsgd', 'lssgd', 'sgd', 'mxnet-lbsgd', 'lars')
+OPTIMIZERS = ('lbsgd', 'lssgd', 'sgd', 'mxnet-lbsgd', 'lars', 'lblamb')
 WARMUP_OPTIMIZERS = ('lbsgd', 'mxnet-lbsgd')     # the ones with warmup and batch_scale
+ACCUMULATING_OPTIMIZERS = WARMUP_OPTIMIZERS + ('lblamb',)     # the ones with batch_scale
 #: Learning rate used when none is given (measured on digits, batch 32, momentum 0.9).
-DEFAULT_LR = {'lbsgd': 0.05, 'lssgd': 0.05, 'sgd': 0.05, 'mxnet-lbsgd': 0.05, 'lars': 2.0}
+DEFAULT_LR = {'lbsgd': 0.05, 'lssgd': 0.05, 'sgd': 0.05, 'mxnet-lbsgd': 0.05, 'lars': 2.0,
+              'lblamb': 0.01}
 DEFAULT_LARS_LR = 2.0       # lbsgd with warmup_strategy='lars' (trust ratio eta = 0.001)
 #: What ``mx-lbsgd train`` changes in TrainConfig's defaults (the defaults of ``--single``)
 #: for its main run: an effective batch of 32 x 8 = 256 by accumulation, linear warmup
@@ -83,8 +85,8 @@ def check(cfg):
     if cfg.dataset not in DATASETS:
         raise ConfigError('dataset=%r is not supported; expected one of %r'
                           % (cfg.dataset, DATASETS))
-    if cfg.batch_scale != 1 and cfg.optimizer not in WARMUP_OPTIMIZERS:
-        raise ConfigError('batch_scale=%d needs optimizer lbsgd or mxnet-lbsgd (got %s)'
+    if cfg.batch_scale != 1 and cfg.optimizer not in ACCUMULATING_OPTIMIZERS:
+        raise ConfigError('batch_scale=%d needs optimizer lbsgd, mxnet-lbsgd or lblamb (got %s)'
                           % (cfg.batch_scale, cfg.optimizer))
     if cfg.warmup_from is not None and cfg.optimizer in WARMUP_OPTIMIZERS:
         raise ConfigError('warmup_from is for optimizers without a warmup of their own, '

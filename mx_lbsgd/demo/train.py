@@ -54,13 +54,17 @@ def _make_optimizer(cfg, scaler, updates_per_epoch):
         return mx.optimizer.SGD(**common), False
     if name == 'mxnet-lbsgd':
         return mx_lbsgd.MXNET_LBSGD(**warm, **common), False
+    if name == 'lblamb':
+        lamb = dict(common, batch_scale=cfg.batch_scale, trust_exclude=True)
+        lamb.pop('momentum')
+        return mx_lbsgd.LAMB(loss_scaler=scaler, **lamb), True
     return mx.optimizer.LARS(eta=0.001, momentum_correction=False, **common), False
 
 
 def _scheduler(cfg, steps_per_epoch):
     """The WarmupScheduler for cfg.lr_decay / cfg.warmup_from, or None. Its count is the
     optimizer's num_update: micro-batches for lbsgd (whose own warmup multiplies it),
-    updates for the others (one per step, batch_scale being 1 there)."""
+    applied updates for lblamb, updates for the others (batch_scale being 1 there)."""
     import mx_lbsgd
     if cfg.lr_decay is None and cfg.warmup_from is None:
         return None
@@ -68,6 +72,8 @@ def _scheduler(cfg, steps_per_epoch):
     if cfg.warmup_from is not None:
         warm = int(round(cfg.warmup_epochs * steps_per_epoch))
     total = max(cfg.epochs * steps_per_epoch, warm + 1)
+    if cfg.optimizer == 'lblamb':
+        warm, total = warm // cfg.batch_scale, max(total // cfg.batch_scale, 1)
     return mx_lbsgd.WarmupScheduler(
         base_lr=cfg.resolved_lr(), warmup_steps=warm, strategy='linear',
         warmup_begin_lr=cfg.warmup_from if cfg.warmup_from is not None else 0.0,
@@ -254,7 +260,8 @@ class _Run:
         import mx_lbsgd
         applied = self.applied_micro_batches()
         sched = self.opt.lr_scheduler
-        lr = sched(max(applied, 1)) if sched is not None else self.cfg.resolved_lr()
+        count = self.opt.num_update if self.cfg.optimizer == 'lblamb' else applied
+        lr = sched(max(count, 1)) if sched is not None else self.cfg.resolved_lr()
         if self.ours:
             return lr * self.opt.lr_multiplier()
         cfg = self.cfg

@@ -71,7 +71,8 @@ def _parser():
     p.add_argument('--optimizer', choices=config.OPTIMIZERS, default=d.optimizer,
                    help='lbsgd (mx_lbsgd.LBSGD, default), lssgd (mx_lbsgd.LossScaledSGD), '
                         "sgd (mx SGD with momentum), mxnet-lbsgd (MXNet's own LBSGD), "
-                        'lars (mx.optimizer.LARS)')
+                        'lars (mx.optimizer.LARS), lblamb (mx_lbsgd.LAMB: LayerNorm and '
+                        'biases left out of the trust ratio; --momentum does not apply)')
     p.add_argument('--warmup-strategy', choices=tuple(schedules.WARMUP_STRATEGIES),
                    help='lbsgd / mxnet-lbsgd only (default %s)' % d.warmup_strategy)
     p.add_argument('--warmup-epochs', type=number(float, 0),
@@ -81,7 +82,7 @@ def _parser():
                    help='micro-batch size (default %(default)s)')
     p.add_argument('--batch-scale', type=number(int, 1),
                    help='micro-batches per update, also the final warmup multiplier '
-                        '(lbsgd / mxnet-lbsgd; default %d; --single or another '
+                        '(lbsgd / mxnet-lbsgd / lblamb; default %d; --single or another '
                         'optimizer: %d)' % (demo['batch_scale'], d.batch_scale))
     p.add_argument('--epochs', type=number(int, 1),
                    help='default %d (--single: %d)' % (demo['epochs'], d.epochs))
@@ -128,13 +129,14 @@ def _config(args, parser):
         if value is not None and not lbsgd_like:
             parser.error('argument %s: applies to lbsgd and mxnet-lbsgd only, not %s'
                          % (flag, args.optimizer))
-    if args.batch_scale not in (None, 1) and not lbsgd_like:
-        parser.error('argument --batch-scale: applies to lbsgd and mxnet-lbsgd only, not %s'
-                     % args.optimizer)
+    accumulating = args.optimizer in config.ACCUMULATING_OPTIMIZERS
+    if args.batch_scale not in (None, 1) and not accumulating:
+        parser.error('argument --batch-scale: applies to lbsgd, mxnet-lbsgd and lblamb only, '
+                     'not %s' % args.optimizer)
     d = dict(dataclasses.asdict(config.TrainConfig()))
     if not args.single:
         d.update(config.DEMO_DEFAULTS)
-        if not lbsgd_like:
+        if not accumulating:
             d['batch_scale'] = 1
 
     def pick(name):

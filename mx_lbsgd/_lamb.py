@@ -1,0 +1,153 @@
+"""The LAMB kernel family: MXNet LAMB's update and state layout, on two kernel paths.
+
+You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes"
+(2019), https://arxiv.org/abs/1904.00962. Per tensor, at its t-th applied update::
+
+    g = clip(rescale_grad * grad, clip_gradient)
+    mean = beta1 * mean + (1 - beta1) * g
+    var = beta2 * var + (1 - beta2) * g ** 2
+    m, v = (mean / (1 - beta1 ** t), var / (1 - beta2 ** t)) if bias_correction else (mean, var)
+    d = m / (sqrt(v) + epsilon) + wd * w
+    r1 = clip(|w|, lower_bound, upper_bound)     # a bound applies when it is set and > 0
+    ratio = r1 / |d| if r1 > 0 and |d| > 0 else 1   # 1 for layers excluded by name
+    w = w - lr * ratio * d                       # w: the fp32 master copy when there is one
+
+`_single_tensor_lamb` runs MXNet's ``lamb_update_phase1``/``phase2`` per tensor (on the fp32
+master copy when there is one: MXNet 1.9.1's ``mp_lamb_update_phase2`` never writes the
+master copy, so ``mx.optimizer.LAMB`` with ``aggregate_num=1`` and fp16 weights keeps its
+master copy at the initial weights); `_multi_tensor_lamb` runs ``multi_lamb_update`` /
+``multi_mp_lamb_update`` (at most 45 tensors a call). Both take one keyword-only signature.
+The trust ratio lives inside the kernels, so a layer excluded from it always takes the
+per-tensor path, which passes zero norms (MXNet's phase2 then keeps lr).
+
+Differences from MXNet's ``mx.optimizer.LAMB``: none in the update; the family runs
+inside the pipeline shell, which adds accumulation, loss scaling, exclusions by name and
+checkpoints, and counts ``t`` in applied updates. Compared with PyTorch implementations
+(there is no LAMB in torch.optim; NVIDIA apex's FusedLAMB): MXNet's epsilon placement
+(outside the square root of the corrected variance) and weight decay inside ``d``.
+"""
+from mxnet import nd
+
+from . import _kernels
+
+MAX_TENSORS_PER_KERNEL = 45    # MXNet's multi_lamb_update (MXNET_OPTIMIZER_AGGREGATION_SIZE)
+
+
+class LAMBFamily:
+    """MXNet LAMB: state (mean, var), or (weight_fp32, (mean, var)) with master copies."""
+
+    name = 'LAMB'
+    supports_sparse = False
+    trust_in_kernel = True
+    single_tensor = None      # set below: the module's kernels
+    multi_tensor = None
+
+    def __init__(self, beta1, beta2, epsilon, lower_bound, upper_bound, bias_correction):
+        self.hyper = dict(beta1=float(beta1), beta2=float(beta2), epsilon=float(epsilon),
+                          bias_correction=bool(bias_correction))
+        self.bounds = {}
+        if lower_bound:
+            self.bounds['lower_bound'] = float(lower_bound)
+        if upper_bound:
+            self.bounds['upper_bound'] = float(upper_bound)
+
+    def make_state(self, weight, dtype, master):
+        stype = weight.stype
+        moments = (nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype),
+                   nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype))
+        return moments if master is None else (master, moments)
+
+    def split(self, base, with_master):
+        """((mean, var), master or None) of a LAMB state, or None when it does not fit."""
+        if not isinstance(base, tuple) or len(base) != 2:
+            return None
+        if with_master:
+            master, moments = base
+            if not isinstance(moments, tuple) or len(moments) != 2:
+                return None
+            return moments, master
+        if isinstance(base[1], tuple):
+            return None
+        return base, None
+
+    def describe(self):
+        return 'beta1=%g, beta2=%g' % (self.hyper['beta1'], self.hyper['beta2'])
+
+    @staticmethod
+    def sparse_refusal(names):
+        return ('LAMB has no sparse update (neither has mx.optimizer.LAMB): parameter(s) %s '
+                'have row_sparse gradients or non-default storage. Use dense gradients '
+                "(Embedding(sparse_grad=False)), or 'lbsgd' for those parameters"
+                % ', '.join(map(repr, names)))
+
+    def run(self, kernel, *, states, steps, ratio_applies, lr_vector, **common):
+        """Run `kernel`; tensors excluded from the trust ratio take the per-tensor path."""
+        groups = [(kernel, list(range(len(states))))]
+        if kernel is _multi_tensor_lamb and ratio_applies is not None \
+                and not all(ratio_applies):
+            groups = [(_multi_tensor_lamb, [j for j, a in enumerate(ratio_applies) if a]),
+                      (_single_tensor_lamb, [j for j, a in enumerate(ratio_applies) if not a])]
+        lists = dict(common, states=states, steps=steps, ratio_applies=ratio_applies)
+        for path, pos in groups:
+            if pos:
+                path(bounds=self.bounds, **_pick(pos, lists), **self.hyper)
+
+
+def _pick(pos, kwargs):
+    """kwargs with every list argument reduced to the entries at `pos`."""
+    return {k: [v[j] for j in pos] if isinstance(v, list) else v for k, v in kwargs.items()}
+
+
+def _phase1_kwargs(beta1, beta2, epsilon, bias_correction, rescale_grad, clip_gradient):
+    kwargs = dict(beta1=beta1, beta2=beta2, epsilon=epsilon, bias_correction=bias_correction,
+                  rescale_grad=rescale_grad)
+    if clip_gradient:
+        kwargs['clip_gradient'] = clip_gradient
+    return kwargs
+
+
+def _single_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_applies,
+                        bounds, beta1, beta2, epsilon, bias_correction, rescale_grad,
+                        clip_gradient, scratch):
+    kwargs = _phase1_kwargs(beta1, beta2, epsilon, bias_correction, rescale_grad,
+                            clip_gradient)
+    for i, (w, g, (mean, var), w32) in enumerate(zip(weights, grads, states, masters)):
+        target = w if w32 is None else w32
+        if w32 is not None and g.dtype != w32.dtype:
+            # not mp_lamb_update_phase2: in MXNet 1.9.1 it never writes the fp32 master
+            # copy (measured), so the fp32 phase ops run on the master copy instead
+            g = _kernels.cast_into(g, w32.dtype, scratch)
+        d = nd.lamb_update_phase1(target, g, mean, var, t=steps[i], wd=wds[i], **kwargs)
+        if ratio_applies is None or ratio_applies[i]:
+            r1, r2, phase2_bounds = target.norm(), d.norm(), bounds
+        else:        # zero norms: phase2 keeps lr (and no bound may lift r1 above 0)
+            r1 = r2 = nd.zeros((1,), ctx=w.context, dtype=d.dtype)
+            phase2_bounds = {}
+        nd.lamb_update_phase2(target, d, r1, r2, lr=lrs[i], out=target, **phase2_bounds)
+        if w32 is not None:
+            nd.Cast(w32, dtype=w.dtype, out=w)
+
+
+def _multi_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_applies,
+                       bounds, beta1, beta2, epsilon, bias_correction, rescale_grad,
+                       clip_gradient, scratch):  # pylint: disable=unused-argument
+    kwargs = dict(beta1=beta1, beta2=beta2, epsilon=epsilon, bias_correction=bias_correction,
+                  rescale_grad=rescale_grad, **bounds)
+    if clip_gradient:
+        kwargs['clip_gradient'] = clip_gradient
+    means = [s[0] for s in states]
+    variances = [s[1] for s in states]
+    for start in range(0, len(weights), MAX_TENSORS_PER_KERNEL):
+        part = slice(start, start + MAX_TENSORS_PER_KERNEL)
+        common = dict(out=weights[part], step_count=steps[part], lrs=lrs[part],
+                      wds=wds[part], **kwargs)
+        if masters[0] is None:
+            nd.contrib.multi_lamb_update(weights[part], grads[part], means[part],
+                                         variances[part], **common)
+        else:
+            nd.contrib.multi_mp_lamb_update(weights[part], grads[part], means[part],
+                                            variances[part], masters[part], **common)
+
+
+LAMBFamily.single_tensor = staticmethod(_single_tensor_lamb)
+LAMBFamily.multi_tensor = staticmethod(_multi_tensor_lamb)

@@ -1,0 +1,142 @@
+"""LAMB step time on BERT-like shapes, against MXNet's own LAMB, Adam and SGD.
+
+52 tensors shaped like a 4-layer BERT (hidden 768, vocabulary 30522; 52M parameters). Every
+optimizer runs in this one process through MXNet's Updater on the same weights and
+gradients; the optimizers take turns round after round, each step is timed with the engine
+drained after it, and every ratio is the median over rounds of the ratio within a round.
+Host syncs are counted per step.
+
+    python -m mx_lbsgd.demo.bench_lamb [--rounds 5] [--dtypes float32 float16] [--json F]
+    python benchmarks/bench_lamb.py ...
+"""
+import argparse
+import statistics
+import time
+
+import numpy as np
+import mxnet as mx
+
+import mx_lbsgd
+from mx_lbsgd.counting import count_host_syncs
+from mx_lbsgd.demo.bench_step import machine, save_json
+
+__all__ = ['bert_shapes', 'run', 'main']
+
+
+def bert_shapes(layers=4, hidden=768, vocab=30522, ffn=3072, positions=512):
+    """(name, shape) of a BERT encoder's big tensors: the embeddings, then per layer the
+    attention and feed-forward weights and biases (LayerNorms left out: 52 tensors)."""
+    shapes = [('word_embed_weight', (vocab, hidden)), ('pos_embed_weight', (positions, hidden)),
+              ('type_embed_weight', (2, hidden)), ('embed_ln_gamma', (hidden,))]
+    for i in range(layers):
+        for name, shape in (('q', (hidden, hidden)), ('k', (hidden, hidden)),
+                            ('v', (hidden, hidden)), ('o', (hidden, hidden)),
+                            ('ffn1', (ffn, hidden)), ('ffn2', (hidden, ffn))):
+            shapes.append(('l%d_%s_weight' % (i, name), shape))
+            shapes.append(('l%d_%s_bias' % (i, name), (shape[0],)))
+    return shapes
+
+
+def _candidates():
+    common = dict(learning_rate=1e-3, wd=0.01)
+
+    def mxnet_lamb(aggregate):
+        def make(mp):
+            opt = mx.optimizer.LAMB(multi_precision=mp, **common)
+            if aggregate == 1:
+                opt.aggregate_num = 1
+            return opt
+        return make
+    return {
+        'mxnet LAMB (multi_lamb_update)': mxnet_lamb(None),
+        'mxnet LAMB (aggregate_num=1)': mxnet_lamb(1),
+        'mxnet Adam': lambda mp: mx.optimizer.Adam(multi_precision=mp, **common),
+        'mxnet SGD momentum': lambda mp: mx.optimizer.SGD(momentum=0.9, multi_precision=mp,
+                                                          **common),
+        'lblamb (routed)': lambda mp: mx_lbsgd.LAMB(multi_precision=mp, **common),
+        'lblamb fused=True': lambda mp: mx_lbsgd.LAMB(multi_precision=mp, fused=True,
+                                                      **common),
+        'lblamb fused=False': lambda mp: mx_lbsgd.LAMB(multi_precision=mp, fused=False,
+                                                       **common),
+    }
+
+
+class _Candidate:
+    def __init__(self, name, make, shapes, dtype, rng):
+        self.name = name
+        self.updater = mx.optimizer.get_updater(make(dtype == 'float16'))
+        self.weights = [mx.nd.array(rng.uniform(-0.1, 0.1, s), dtype=dtype) for _, s in shapes]
+        self.grads = [mx.nd.array(rng.uniform(-0.1, 0.1, s), dtype=dtype) for _, s in shapes]
+        self.index = list(range(len(shapes)))
+        self.times, self.syncs = [], []
+        self.step()                        # states created outside the timing
+        mx.nd.waitall()
+
+    def step(self):
+        self.updater(self.index, self.grads, self.weights)
+
+    def round(self, steps):
+        for _ in range(steps):
+            with count_host_syncs(include_waitall=False) as syncs:
+                start = time.perf_counter()
+                self.step()
+                mx.nd.waitall()
+                self.times.append(time.perf_counter() - start)
+            self.syncs.append(len(syncs))
+
+
+def run(dtypes, rounds, steps=1, seed=0):
+    shapes = bert_shapes()
+    results = []
+    for dtype in dtypes:
+        rng = np.random.RandomState(seed)
+        cands = [_Candidate(n, m, shapes, dtype, rng) for n, m in _candidates().items()]
+        for r in range(rounds):
+            for c in (cands if r % 2 == 0 else cands[::-1]):
+                c.round(steps)
+        base = {c.name: c for c in cands}
+        for c in cands:
+            def ratio(other):
+                return statistics.median(a / b for a, b in zip(c.times, base[other].times))
+            results.append(dict(
+                dtype=dtype, name=c.name, ms=1e3 * statistics.median(c.times),
+                syncs_per_step=statistics.mean(c.syncs),
+                vs_mxnet_lamb=ratio('mxnet LAMB (multi_lamb_update)'),
+                vs_adam=ratio('mxnet Adam')))
+    return dict(machine=machine(cpu=_cpu_model()), shapes=len(shapes),
+                parameters=int(sum(np.prod(s) for _, s in shapes)), results=results)
+
+
+def _cpu_model():
+    try:
+        with open('/proc/cpuinfo') as f:
+            return next(line.split(':', 1)[1].strip() for line in f
+                        if line.startswith('model name'))
+    except (OSError, StopIteration):
+        return 'unknown CPU'
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog='bench_lamb', description=__doc__.split('\n')[0])
+    p.add_argument('--rounds', type=int, default=5)
+    p.add_argument('--dtypes', nargs='+', default=['float32', 'float16'],
+                   choices=['float32', 'float16'])
+    p.add_argument('--json', help='write the results here')
+    args = p.parse_args(argv)
+    out = run(args.dtypes, args.rounds)
+    print(out['machine'])
+    print('%d tensors, %d parameters; median of %d interleaved rounds'
+          % (out['shapes'], out['parameters'], args.rounds))
+    print('%-8s %-32s %10s %8s %14s %9s' % ('dtype', 'optimizer', 'ms/step', 'syncs',
+                                            '/ mxnet LAMB', '/ Adam'))
+    for r in out['results']:
+        print('%-8s %-32s %10.1f %8.1f %14.2f %9.2f' % (
+            r['dtype'], r['name'], r['ms'], r['syncs_per_step'], r['vs_mxnet_lamb'],
+            r['vs_adam']))
+    if args.json:
+        save_json(args.json, out)
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())

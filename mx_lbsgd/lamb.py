@@ -1,0 +1,109 @@
+"""`LAMB` ('lblamb'): MXNet's LAMB on the update pipeline, for large-batch transformer training."""
+import math
+
+from ._checks import check_int, check_real
+from ._lamb import LAMBFamily
+from ._pipeline import PipelineOptimizer
+from ._trust_ratio import TrustRatio
+from ._warmup import Warmup
+from .loss_scale import _as_scaler
+
+#: `trust_exclude=True`: BERT practice leaves LayerNorm/BatchNorm and biases out of the ratio
+BERT_TRUST_EXCLUDE = ('bias', 'gamma', 'beta')
+
+
+class LAMB(PipelineOptimizer):
+    """LAMB with accumulation, loss scaling and trust-ratio exclusions (registered as
+    ``'lblamb'``; MXNet's own ``'lamb'`` stays MXNet's).
+
+    You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes"
+    (2019), https://arxiv.org/abs/1904.00962. Each applied update, per tensor::
+
+        t = applied updates of this tensor (micro-batches // batch_scale)
+        g = the window's mean gradient, rescale_grad and 1/loss_scale folded in
+        mean = beta1 * mean + (1 - beta1) * clip(g, clip_gradient)
+        var = beta2 * var + (1 - beta2) * clip(g, clip_gradient) ** 2
+        m, v = mean / (1 - beta1 ** t), var / (1 - beta2 ** t)     # if bias_correction
+        d = m / (sqrt(v) + epsilon) + wd * w
+        r1 = clip(|w|, lower_bound, upper_bound)
+        ratio = r1 / |d| if r1 > 0 and |d| > 0 and the layer is not excluded else 1
+        w = w - lr * ratio * d              # w: the fp32 master copy with multi_precision
+
+    At its defaults (``batch_scale=1``, ``trust_exclude=None``) the update equals
+    ``mx.optimizer.LAMB``'s, and states move both ways between ``'lblamb'`` and ``'lamb'``:
+    ``(mean, var)``, or ``(weight_fp32, (mean, var))``, with the fp32 accumulator appended
+    when ``batch_scale > 1``.
+
+    Differences from MXNet's ``mx.optimizer.LAMB``: ``batch_scale`` accumulates B
+    micro-batches into one update (communicated once under a Trainer); ``t`` and
+    ``num_update`` (what an ``lr_scheduler`` sees) count applied updates, so B
+    micro-batches equal one LAMB step on their mean (``LBSGD`` counts micro-batches, as
+    MXNet's LBSGD does); ``loss_scaler`` skips whole steps; ``trust_exclude`` leaves layers
+    out of the trust ratio by name. For warmup and decay use an ``lr_scheduler`` such as
+    ``mx_lbsgd.WarmupScheduler(..., decay='poly', power=1)``. Compared with NVIDIA apex's
+    FusedLAMB (PyTorch has none in torch.optim): epsilon is added outside the square root
+    of the corrected variance, and weight decay enters ``d`` before the trust ratio.
+
+    Parameters (besides those of ``mx.optimizer.Optimizer``)
+    ----------
+    learning_rate : float, default 0.001
+    beta1, beta2 : float in [0, 1), default 0.9 and 0.999
+    epsilon : float > 0, default 1e-6
+    lower_bound, upper_bound : None or float > 0
+        Clip range of |w| in the trust ratio (MXNet's meaning: unset when None or <= 0).
+    bias_correction : bool, default True
+    multi_precision : bool
+        Keep fp32 master weights (and fp32 moments) for float16 weights.
+    batch_scale : int >= 1
+    trust_exclude : None, True, sequence of str, or callable(name) -> bool
+        Layers whose trust ratio is 1. None: none (as MXNet's LAMB). True: names ending in
+        'bias', 'gamma' or 'beta' (BERT practice). Names come from ``param_dict`` (Gluon) or
+        ``param_idx2name`` (Module).
+    loss_scaler, count_skipped_steps, scale_key, fused : as in `LBSGD`.
+    """
+
+    counts_applied_updates = True
+
+    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6,
+                 lower_bound=None, upper_bound=None, bias_correction=True,
+                 multi_precision=False, batch_scale=1, trust_exclude=None, fused=None,
+                 loss_scaler=None, count_skipped_steps=False, scale_key='default', **kwargs):
+        check_real('beta1', beta1, 0.0, 1.0, open_max=True)
+        check_real('beta2', beta2, 0.0, 1.0, open_max=True)
+        check_real('epsilon', epsilon, 0.0, open_min=True)
+        for name, bound in (('lower_bound', lower_bound), ('upper_bound', upper_bound)):
+            if bound is not None:
+                check_real(name, bound, allow_inf=name == 'upper_bound')
+        if lower_bound and upper_bound and 0 < upper_bound < lower_bound:
+            raise ValueError('lower_bound must be <= upper_bound; got lower_bound=%r, '
+                             'upper_bound=%r' % (lower_bound, upper_bound))
+        if not (trust_exclude is None or trust_exclude is True or callable(trust_exclude)
+                or (isinstance(trust_exclude, (list, tuple))
+                    and all(isinstance(s, str) for s in trust_exclude))):
+            raise TypeError('trust_exclude must be None, True, a list of name suffixes or a '
+                            'callable(name) -> bool; got %r' % (trust_exclude,))
+        check_int('batch_scale', batch_scale, 1)
+        super().__init__(learning_rate=learning_rate, batch_scale=batch_scale, fused=fused,
+                         loss_scaler=None if loss_scaler is None else _as_scaler(loss_scaler),
+                         count_skipped_steps=count_skipped_steps, scale_key=scale_key,
+                         multi_precision=multi_precision, **kwargs)
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+        self.epsilon = float(epsilon)
+        self.lower_bound = lower_bound
+        self.upper_bound = upper_bound
+        self.bias_correction = bool(bias_correction)
+        self.trust_exclude = (BERT_TRUST_EXCLUDE if trust_exclude is True
+                              else trust_exclude if trust_exclude is None
+                              or callable(trust_exclude) else tuple(trust_exclude))
+        self._build_pieces()
+
+    def _build_pieces(self):
+        super()._build_pieces()
+        upper = self.upper_bound
+        self._family = LAMBFamily(self.beta1, self.beta2, self.epsilon, self.lower_bound,
+                                  None if upper is not None and math.isinf(upper) else upper,
+                                  self.bias_correction)
+        self._warmup = Warmup(None, 0, 1, 0)
+        self._trust = (None if not self.trust_exclude else
+                       TrustRatio(1.0, 0.0, 0.0, math.inf, self.trust_exclude))
