@@ -94,6 +94,31 @@ def test_module_fit_learns_digits(strategy):
     assert dict(mod.score(test, 'acc'))['accuracy'] > (0.92 if strategy == 'lars' else 0.95)
 
 
+@pytest.mark.parametrize('B', [1, 2])
+def test_module_fit_learns_digits_with_lblamb(B):
+    """Module's names reach the trust-ratio exclusions; num_update counts applied updates."""
+    np.random.seed(0)
+    mx.random.seed(0)
+    data = mx.sym.Variable('data')
+    h = mx.sym.Activation(mx.sym.FullyConnected(data, num_hidden=64, name='fc1'), 'relu')
+    out = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(h, num_hidden=10, name='fc2'),
+                               name='softmax')
+    train = mx.io.NDArrayIter(X, Y, batch_size=32, shuffle=True,
+                              label_name='softmax_label')
+    test = mx.io.NDArrayIter(XT, YT, batch_size=32, label_name='softmax_label')
+    mod = mx.mod.Module(out, context=mx.cpu())
+    mod.fit(train, num_epoch=8, optimizer='lblamb', initializer=mx.init.Xavier(),
+            optimizer_params=dict(learning_rate=0.005 * B, wd=1e-4, batch_scale=B,
+                                  trust_exclude=True))
+    opt = mod._optimizer
+    assert isinstance(opt, mx_lbsgd.LAMB) and opt.idx2name
+    train.reset()
+    micro_batches = 8 * sum(1 for _ in train)
+    assert opt.micro_batches == micro_batches
+    assert opt.num_update == opt.applied_updates == micro_batches // B
+    assert dict(mod.score(test, 'acc'))['accuracy'] > 0.93
+
+
 @pytest.mark.parametrize('strategy', ['linear', 'lars'])
 def test_two_contexts_equal_one_with_accumulation(strategy):
     """Accumulators live in each device's updater state, so two devices give the same
