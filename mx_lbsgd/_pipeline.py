@@ -299,12 +299,17 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
                                            weight[members[0]].dtype)
             routes += [(family.single_tensor, [members[p] for p in single]),
                        (family.multi_tensor, [members[p] for p in multi])]
-        trust = self._trust
-        plan = {'state': list(state), 'states': [p[0] for p in parts],
-                'masters': [p[1] for p in parts], 'accs': [p[2] for p in parts],
-                'routes': [(fn, pos) for fn, pos in routes if pos], 'sparse': sparse,
-                'keep_lr': (None if trust is None else
-                            [not trust.applies(self._name(i)) for i in index])}
+        keep = (None if self._trust is None
+                else [not self._trust.applies(self._name(i)) for i in index])
+        masters = [p[1] for p in parts]
+        plan = {'state': list(state), 'states': [p[0] for p in parts], 'masters': masters,
+                'accs': [p[2] for p in parts], 'sparse': sparse, 'keep_lr': keep,
+                # the trust ratio as the shell's lr vector (LARS), unless every layer is
+                # excluded or the family's kernels hold the ratio (LAMB)
+                'lars': (keep is not None and not all(keep)
+                         and not self._family.trust_in_kernel),
+                'routes': [(fn, pos, _route_constants(pos, parts, masters, keep))
+                           for fn, pos in routes if pos]}
         self._plans[key] = plan
         return plan
 
@@ -324,28 +329,24 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         lrs = self._warmup.scale_lrs(self._get_lrs(index), positions)
         wds = self._get_wds(index)
         steps = [k // self.batch_scale for k in positions]     # this update's number t
-        keep = plan['keep_lr']
-        in_kernel = self._family.trust_in_kernel
-        ratio_applies = None if keep is None else [not k for k in keep]
-        trust = self._trust if keep is not None and not all(keep) and not in_kernel else None
-        for kernel, pos in plan['routes']:
+        for kernel, pos, const in plan['routes']:
             pick = lambda seq: [seq[j] for j in pos]   # noqa: E731
-            weights, grads, masters = pick(weight), pick(grad), pick(plan['masters'])
+            weights, grads = pick(weight), pick(grad)
             lr_vector = None
-            if trust is not None:
-                lr_vector = trust.lr_vector(
-                    weights=[m if m is not None else w for w, m in zip(weights, masters)],
-                    grads=grads, lrs=pick(lrs), wds=pick(wds), keep_lr=pick(keep),
+            if plan['lars']:
+                lr_vector = self._trust.lr_vector(
+                    weights=[m if m is not None else w
+                             for w, m in zip(weights, const['masters'])],
+                    grads=grads, lrs=pick(lrs), wds=pick(wds), keep_lr=const['keep_lr'],
                     rescale_grad=rescale)
-            self._family.run(kernel, weights=weights, grads=grads,
-                             states=pick(plan['states']), masters=masters, lrs=pick(lrs),
-                             wds=pick(wds), lr_vector=lr_vector, rescale_grad=rescale,
+            self._family.run(kernel, weights=weights, grads=grads, states=const['states'],
+                             masters=const['masters'], lrs=pick(lrs), wds=pick(wds),
+                             lr_vector=lr_vector, rescale_grad=rescale,
                              clip_gradient=self.clip_gradient, scratch=self._scratch,
-                             steps=pick(steps),
-                             ratio_applies=None if ratio_applies is None
-                             else pick(ratio_applies))
+                             steps=pick(steps), ratio_applies=const['ratio_applies'])
         if plan['sparse']:
-            self._apply_sparse(plan, weight, grad, lrs, wds, rescale, trust)
+            self._apply_sparse(plan, weight, grad, lrs, wds, rescale,
+                               self._trust if plan['lars'] else None)
 
     def _apply_sparse(self, plan, weight, grad, lrs, wds, rescale, trust):
         pos = plan['sparse']
@@ -389,6 +390,13 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
             kind, names = _compat.module_sparse_gradients_on_dist_kvstore()
             _binding.refuse_sparse_gradients_on_servers(names, kind, type(self).__name__)
         return super().__reduce_ex__(protocol)
+
+
+def _route_constants(pos, parts, masters, keep):
+    """What a kernel route's call takes that stays the same from step to step."""
+    return {'states': [parts[j][0] for j in pos], 'masters': [masters[j] for j in pos],
+            'keep_lr': None if keep is None else [keep[j] for j in pos],
+            'ratio_applies': None if keep is None else [not keep[j] for j in pos]}
 
 
 def _fused_from_env(fused):
