@@ -71,8 +71,8 @@ def test_gluon_trainer_learns_digits(params, threshold):
     assert accuracy(net, XT, YT) > threshold
 
 
-@pytest.mark.parametrize('strategy', ['linear', 'lars'])
-def test_module_fit_learns_digits(strategy):
+def _digits_module():
+    """(Module of a 64-unit MLP, shuffled training iterator, test iterator), seeded."""
     np.random.seed(0)       # NDArrayIter shuffles with numpy's global generator
     mx.random.seed(0)
     data = mx.sym.Variable('data')
@@ -82,7 +82,12 @@ def test_module_fit_learns_digits(strategy):
     train = mx.io.NDArrayIter(X, Y, batch_size=32, shuffle=True,
                               label_name='softmax_label')
     test = mx.io.NDArrayIter(XT, YT, batch_size=32, label_name='softmax_label')
-    mod = mx.mod.Module(out, context=mx.cpu())
+    return mx.mod.Module(out, context=mx.cpu()), train, test
+
+
+@pytest.mark.parametrize('strategy', ['linear', 'lars'])
+def test_module_fit_learns_digits(strategy):
+    mod, train, test = _digits_module()
     lr = 2.0 if strategy == 'lars' else 0.05
     mod.fit(train, num_epoch=8, optimizer='lbsgd', initializer=mx.init.Xavier(),
             optimizer_params=dict(learning_rate=lr, momentum=0.9, wd=1e-4,
@@ -97,16 +102,7 @@ def test_module_fit_learns_digits(strategy):
 @pytest.mark.parametrize('B', [1, 2])
 def test_module_fit_learns_digits_with_lblamb(B):
     """Module's names reach the trust-ratio exclusions; num_update counts applied updates."""
-    np.random.seed(0)
-    mx.random.seed(0)
-    data = mx.sym.Variable('data')
-    h = mx.sym.Activation(mx.sym.FullyConnected(data, num_hidden=64, name='fc1'), 'relu')
-    out = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(h, num_hidden=10, name='fc2'),
-                               name='softmax')
-    train = mx.io.NDArrayIter(X, Y, batch_size=32, shuffle=True,
-                              label_name='softmax_label')
-    test = mx.io.NDArrayIter(XT, YT, batch_size=32, label_name='softmax_label')
-    mod = mx.mod.Module(out, context=mx.cpu())
+    mod, train, test = _digits_module()
     mod.fit(train, num_epoch=8, optimizer='lblamb', initializer=mx.init.Xavier(),
             optimizer_params=dict(learning_rate=0.005 * B, wd=1e-4, batch_scale=B,
                                   trust_exclude=True))
