@@ -1,4 +1,7 @@
-from setuptools import find_packages, setup
+import importlib.util
+import os
+
+from setuptools import Extension, find_packages, setup
 
 # The library itself needs only MXNet and NumPy: mxnet 1.9.1 needs numpy < 1.24 (it uses
 # np.bool).
@@ -10,11 +13,37 @@ INSTALL_REQUIRES = ['mxnet==1.9.1', 'numpy>=1.17,<1.24']
 # exits 2 with one line naming that command.
 DEMO_REQUIRES = ['scikit-learn>=1.0', 'tqdm>=4.60', 'matplotlib>=3.3,<3.10']
 
+
+def native_extensions():
+    """The native CPU operators (csrc/native_ops.cc), compiled against the lib_api.h and
+    lib_api.cc that the MXNet wheel ships (pyproject.toml puts MXNet into the build
+    environment). Optional: without a compiler or MXNet the package installs without them
+    and runs MXNet's own operators."""
+    spec = importlib.util.find_spec('mxnet')
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    root = spec.submodule_search_locations[0]
+    lib_api = os.path.join(root, 'src', 'lib_api.cc')
+    if not os.path.exists(lib_api):
+        return []
+    return [Extension(
+        'mx_lbsgd._native_ops', sources=['csrc/native_ops.cc', lib_api],
+        include_dirs=[os.path.join(root, 'include')], language='c++', optional=True,
+        # no FMA contraction: the same rounding as MXNet's kernels on every CPU; the hot
+        # loops carry their own AVX2 clones (target_clones), so no -march is needed.
+        # -Bsymbolic: the library's lib_api symbols bind to its own copies, not to those of
+        # a library loaded before it (Horovod's MXNet binding: mx.library.load crashed)
+        extra_compile_args=['-std=c++17', '-O3', '-fopenmp', '-fno-math-errno',
+                            '-ffp-contract=off', '-w', '-g0'],
+        extra_link_args=['-fopenmp', '-s', '-Wl,-Bsymbolic'])]
+
+
 setup(
     name='mx_lbsgd',
     version='0.1.0',
     description='Fast, correct large-batch and mixed-precision SGD for Apache MXNet 1.9.1',
     packages=find_packages(include=['mx_lbsgd', 'mx_lbsgd.*']),
+    ext_modules=native_extensions(),
     python_requires='>=3.8',
     install_requires=INSTALL_REQUIRES,
     extras_require={

@@ -11,10 +11,12 @@ import mxnet as mx
 
 from . import checkpoint, counting
 from ._graph_scale import scale_gradient
+from ._native import native_library
 from .gluon import LossScaling, bind, init_kvstore
 from .lamb import LAMB
 from .lbsgd import LBSGD
 from .lssgd import LossScaledSGD
+from .noise_scale import GradientNoiseScale
 from .loss_scale import DynamicLossScaler, LossScaleStuckError
 from .lr_scheduler import WarmupScheduler
 from .schedules import WARMUP_STRATEGIES, warmup_multiplier
@@ -22,7 +24,7 @@ from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
            'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling',
            'LossScaledSGD', 'LAMB', 'scale_gradient', 'checkpoint', 'init_kvstore', 'bind',
-           'counting']
+           'counting', 'native_library', 'GradientNoiseScale']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.

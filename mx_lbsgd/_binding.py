@@ -47,6 +47,9 @@ class TrainerBinding:
         self._closes = None        # what the last reduction did to the window
         self._accs = {}            # id(state) -> (state, accumulator): split once per state
         self._sparse = _compat.has_sparse_gradients(trainer)
+        # read-only watchers of the gradients (GradientNoiseScale): before_reduction(trainer,
+        # opt) per micro-batch, after_reduction(trainer, opt, closes_window) per reduction
+        self.observers = []
         if hasattr(trainer.optimizer, 'begin_step'):
             _refuse_dist_sparse_gradients(trainer)
         _compat.wrap_trainer_step(trainer, self._reduce, self._update)
@@ -63,14 +66,22 @@ class TrainerBinding:
         if _compat.trainer_updates_on_kvstore(trainer):
             opt.refuse_updates_on_kvstore()
             return original()
+        for observer in self.observers:
+            observer.before_reduction(trainer, opt)
         if not (self.window_at_reduction and opt.accumulates_at_trainer()) or self._sparse:
             # sparse gradients: MXNet's Trainer pushes and pulls them separately, row by
             # row; they are accumulated after that reduction, by the optimizer
-            return original()
+            return self._reduced(original, trainer, opt, False)
         grads, accs = self._buffers(trainer, opt)
         self._closes = self.window.add(accs=accs, grads=grads, factor=opt.rescale_grad,
                                        size=opt.batch_scale, position=opt.window_position)
-        return original() if self._closes else None
+        return self._reduced(original, trainer, opt, True) if self._closes else None
+
+    def _reduced(self, original, trainer, opt, closes_window):
+        result = original()
+        for observer in self.observers:
+            observer.after_reduction(trainer, opt, closes_window)
+        return result
 
     def _update(self, original, *args, **kwargs):
         opt = self._optimizer()

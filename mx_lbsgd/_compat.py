@@ -248,6 +248,22 @@ def trainer_kvstore_type(trainer):
     return kv.type if isinstance(kv, mx.kvstore.KVStore) else kv if isinstance(kv, str) else None
 
 
+def trainer_worker_count(trainer, default):
+    """How many workers' gradients the Trainer's reduction sums: Horovod's size for Horovod's
+    DistributedTrainer, the kvstore's ``num_workers`` once ``Trainer.step`` created it, 1
+    without a dist kvstore, and `default` for a dist kvstore not created yet.
+
+    Why: Horovod's trainer passes no kvstore to gluon.Trainer (it overrides the private
+    ``_allreduce_grads``), and a Trainer creates its kvstore lazily into ``_kvstore``."""
+    if type(trainer).__module__.split('.')[0] == 'horovod':
+        import horovod.mxnet as hvd
+        return hvd.size()
+    if trainer._kv_initialized and trainer._kvstore is not None:
+        return trainer._kvstore.num_workers
+    kind = trainer_kvstore_type(trainer)
+    return default if kind and kind.startswith('dist') else 1
+
+
 def dense_weights_with_sparse_gradients(trainer):
     """Names of the Trainer's parameters with default-storage weights and row_sparse
     gradients (``Embedding(sparse_grad=True)``); Parameter has no public ``stype``."""

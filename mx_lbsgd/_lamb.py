@@ -12,23 +12,33 @@ You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 min
     ratio = r1 / |d| if r1 > 0 and |d| > 0 else 1   # 1 for layers excluded by name
     w = w - lr * ratio * d                       # w: the fp32 master copy when there is one
 
-`_single_tensor_lamb` runs MXNet's ``lamb_update_phase1``/``phase2`` per tensor (on the fp32
-master copy when there is one: MXNet 1.9.1's ``mp_lamb_update_phase2`` never writes the
-master copy, so ``mx.optimizer.LAMB`` with ``aggregate_num=1`` and fp16 weights keeps its
-master copy at the initial weights); `_multi_tensor_lamb` runs ``multi_lamb_update`` /
-``multi_mp_lamb_update`` (at most 45 tensors a call). Both take one keyword-only signature.
-The trust ratio lives inside the kernels, so a layer excluded from it always takes the
-per-tensor path, which passes zero norms (MXNet's phase2 then keeps lr).
+Three kernels share one keyword-only signature:
 
-Differences from MXNet's ``mx.optimizer.LAMB``: none in the update; the family runs
+- `_native_lamb`: the package's compiled ``mx_lbsgd_lamb_update`` (``csrc/native_ops.cc``),
+  all tensors in one call and two passes over memory, norms included. It takes float32
+  weights, or float16 weights with fp32 master copies, on CPU, when ``pip install`` built
+  the library; the shell routes every such group to it unless ``fused`` forces a path.
+- `_single_tensor_lamb`: MXNet's ``lamb_update_phase1``/``phase2`` per tensor (on the fp32
+  master copy when there is one: MXNet 1.9.1's ``mp_lamb_update_phase2`` never writes the
+  master copy, so ``mx.optimizer.LAMB`` with ``aggregate_num=1`` and fp16 weights keeps its
+  master copy at the initial weights).
+- `_multi_tensor_lamb`: ``multi_lamb_update`` / ``multi_mp_lamb_update`` (at most 45
+  tensors a call; the GPU path). The trust ratio lives inside MXNet's kernels, so here a
+  layer excluded from it takes the per-tensor path, which passes zero norms (MXNet's
+  phase2 then keeps lr).
+
+Differences from MXNet's ``mx.optimizer.LAMB``: none in the update (the native kernel's
+moments are MXNet's bit for bit; its norms are summed in double, so the weights differ from
+MXNet's in the last bits of the trust ratio); the family runs
 inside the pipeline shell, which adds accumulation, loss scaling, exclusions by name and
 checkpoints, and counts ``t`` in applied updates. Compared with PyTorch implementations
 (there is no LAMB in torch.optim; NVIDIA apex's FusedLAMB): MXNet's epsilon placement
 (outside the square root of the corrected variance) and weight decay inside ``d``.
 """
+import numpy as np
 from mxnet import nd
 
-from . import _kernels
+from . import _kernels, _native
 
 MAX_TENSORS_PER_KERNEL = 45    # MXNet's multi_lamb_update (MXNET_OPTIMIZER_AGGREGATION_SIZE)
 
@@ -72,6 +82,16 @@ class LAMBFamily:
 
     def describe(self):
         return 'beta1=%g, beta2=%g' % (self.hyper['beta1'], self.hyper['beta2'])
+
+    @staticmethod
+    def native_kernel(device_type, dtype, with_master):
+        """`_native_lamb` for float32 weights, or float16 with fp32 master copies, on CPU
+        when the native library is built; None otherwise (MXNet's operators run)."""
+        supported = np.dtype(dtype) == np.float32 and not with_master or \
+            np.dtype(dtype) == np.float16 and with_master
+        if device_type != 'cpu' or not supported or _native.ops() is None:
+            return None
+        return _native_lamb
 
     @staticmethod
     def sparse_refusal(names):
@@ -126,6 +146,27 @@ def _single_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, rat
         nd.lamb_update_phase2(target, d, r1, r2, lr=lrs[i], out=target, **phase2_bounds)
         if w32 is not None:
             nd.Cast(w32, dtype=w.dtype, out=w)
+
+
+def _native_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_applies, bounds,
+                 beta1, beta2, epsilon, bias_correction, rescale_grad, clip_gradient,
+                 scratch):  # pylint: disable=unused-argument
+    """All tensors in one call of the native ``mx_lbsgd_lamb_update`` (two passes over
+    memory, norms included; excluded layers take ratio 1 in the same call)."""
+    mp = masters[0] is not None
+    arrays = (list(weights) + list(grads) + [s[0] for s in states] + [s[1] for s in states]
+              + (list(masters) if mp else []))
+    applies = [1] * len(weights) if ratio_applies is None else [int(a) for a in ratio_applies]
+    _native.ops().lamb_update(
+        *arrays, num_tensors=len(weights), multi_precision=int(mp), lrs=_floats(lrs),
+        wds=_floats(wds), steps=_floats(steps), applies=_floats(applies), beta1=beta1,
+        beta2=beta2, epsilon=epsilon, bias_correction=int(bias_correction),
+        rescale_grad=rescale_grad, clip_gradient=clip_gradient or -1.0,
+        lower_bound=bounds.get('lower_bound', -1.0), upper_bound=bounds.get('upper_bound', -1.0))
+
+
+def _floats(values):
+    return ','.join(repr(float(v)) for v in values)
 
 
 def _multi_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_applies,

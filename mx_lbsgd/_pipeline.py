@@ -293,10 +293,15 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
             groups.setdefault((weight[j].dtype, parts[j][1] is None), []).append(j)
         family = self._family
         routes = []
-        for members in groups.values():
-            single, multi = _kernels.route([weight[j].size for j in members],
-                                           weight[0].context.device_type, self.fused,
-                                           weight[members[0]].dtype)
+        device_type = weight[0].context.device_type
+        for (dtype, no_master), members in groups.items():
+            native = (None if self.fused is not None
+                      else family.native_kernel(device_type, dtype, not no_master))
+            if native is not None:      # the family's compiled kernel takes the whole group
+                routes.append((native, members))
+                continue
+            single, multi = _kernels.route([weight[j].size for j in members], device_type,
+                                           self.fused, dtype)
             routes += [(family.single_tensor, [members[p] for p in single]),
                        (family.multi_tensor, [members[p] for p in multi])]
         keep = (None if self._trust is None

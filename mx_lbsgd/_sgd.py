@@ -49,6 +49,11 @@ class SGDFamily:
     def describe(self):
         return 'momentum=%g' % self.momentum
 
+    @staticmethod
+    def native_kernel(device_type, dtype, with_master):  # noqa: ARG004
+        """None: SGD's update is already at MXNet's memory bandwidth on CPU."""
+        return None
+
     def run(self, kernel, *, states, steps, ratio_applies, **common):  # noqa: ARG002
         """Run `kernel` (LARS reaches it as `lr_vector`; SGD has no step count)."""
         kernel(moms=states, momentum=self.momentum, **common)

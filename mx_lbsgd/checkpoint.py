@@ -266,9 +266,19 @@ def _weights_by_key(target):
     return [by_key]
 
 
+def _leaves(state):
+    """The arrays (or None) of a state, nested tuples flattened: MXNet's multi-precision
+    states nest, e.g. LAMB/Adam's ``(weight_fp32, (mean, var))``."""
+    if not isinstance(state, tuple):
+        return [state]
+    return [leaf for part in state for leaf in _leaves(part)]
+
+
 def _arrays_of(state):
-    parts = state if isinstance(state, tuple) else (state,)
-    return [None if p is None else (tuple(p.shape), np.dtype(p.dtype).name) for p in parts]
+    """(shape, dtype) of each array of a state, nested as the state is."""
+    if isinstance(state, tuple):
+        return [_arrays_of(part) for part in state]
+    return None if state is None else (tuple(state.shape), np.dtype(state.dtype).name)
 
 
 def _check_state(path, opt, key, state, weight):
@@ -276,8 +286,7 @@ def _check_state(path, opt, key, state, weight):
         raise ValueError('optimizer states file %r has a state for parameter %r, which the '
                          'target does not have (a different model or parameter order?)'
                          % (path, key))
-    if not all(p is None or isinstance(p, mx.nd.NDArray)
-               for p in (state if isinstance(state, tuple) else (state,))):
+    if not all(p is None or isinstance(p, mx.nd.NDArray) for p in _leaves(state)):
         raise ValueError('optimizer states file %r: the state of parameter %r holds %r, '
                          'not NDArrays' % (path, key, state))
     expected = _arrays_of(opt.create_state_multi_precision(key, weight))

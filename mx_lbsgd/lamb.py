@@ -59,7 +59,12 @@ class LAMB(PipelineOptimizer):
         Layers whose trust ratio is 1. None: none (as MXNet's LAMB). True: names ending in
         'bias', 'gamma' or 'beta' (BERT practice). Names come from ``param_dict`` (Gluon) or
         ``param_idx2name`` (Module).
-    loss_scaler, count_skipped_steps, scale_key, fused : as in `LBSGD`.
+    fused : None or bool
+        None: on CPU the package's native LAMB operator (one call, two passes over memory)
+        for float32 weights and float16 weights with master copies, when ``pip install``
+        built it; otherwise MXNet's operators routed by tensor size. True / False force
+        MXNet's multi-tensor / per-tensor LAMB operators (the GPU path is multi-tensor).
+    loss_scaler, count_skipped_steps, scale_key : as in `LBSGD`.
     """
 
     counts_applied_updates = True

@@ -46,6 +46,11 @@ class LossScaledSGD(LBSGD):
 
     def __init__(self, momentum=0.0, multi_precision=False, loss_scaler=None,
                  count_skipped_steps=False, scale_key='default', fused=None, **kwargs):
+        for fixed in ('batch_scale', 'warmup_strategy', 'warmup_epochs'):
+            if fixed in kwargs:
+                raise ValueError(
+                    "'lssgd' takes no %s: it is SGD with loss scaling. For accumulation or "
+                    "warmup use 'lbsgd' with loss_scaler=... (mx_lbsgd.LBSGD)" % fixed)
         super().__init__(momentum=momentum, multi_precision=multi_precision,
                          warmup_strategy='linear', warmup_epochs=0, batch_scale=1,
                          loss_scaler=_as_scaler(loss_scaler), fused=fused,

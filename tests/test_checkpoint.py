@@ -497,3 +497,44 @@ def test_load_states_does_not_change_the_served_scalers(tmp_path, writer):
         assert _graph_scale._SCALERS[k] is scaler, k
     assert trainer_c.optimizer.loss_scaler is live          # loaded in place
     assert live.state_dict() == trainer_b.optimizer.loss_scaler.state_dict()
+
+
+def _fp16_steps(trainer, params, begin, end):
+    for step in range(begin, end):
+        draw = np.random.RandomState(step)
+        with autograd.record():
+            loss = nd.add_n(*[(p.data().astype('float32') * nd.array(draw.uniform(-1, 1, p.shape))
+                               ).sum() for p in params])
+        loss.backward()
+        trainer.step(4)
+
+
+def _fp16_trainer(name, args):
+    params = [gluon.Parameter('p%d_weight' % i, shape=s, dtype='float16')
+              for i, s in enumerate([(30, 20), (20,)])]
+    for i, p in enumerate(params):
+        p.initialize(mx.init.Constant(0.1 * (i + 1)))
+    return params, gluon.Trainer(params, name, dict(args), kvstore=None)
+
+
+@pytest.mark.parametrize('name, args', [
+    pytest.param('lblamb', dict(learning_rate=0.01, multi_precision=True), id='lblamb-mp'),
+    pytest.param('lblamb', dict(learning_rate=0.01, multi_precision=True, batch_scale=2),
+                 id='lblamb-mp-B2'),
+    pytest.param('adam', dict(learning_rate=0.01, multi_precision=True), id='mxnet-adam-mp')])
+def test_nested_multi_precision_states_resume_bit_identical(tmp_path, name, args):
+    """(weight_fp32, (mean, var)) states nest a tuple: they save and load like flat ones."""
+    params_a, trainer_a = _fp16_trainer(name, args)
+    _fp16_steps(trainer_a, params_a, 0, 6)
+    params_b, trainer_b = _fp16_trainer(name, args)
+    _fp16_steps(trainer_b, params_b, 0, 3)
+    path = str(tmp_path / 'trainer.states')
+    checkpoint.save_states(trainer_b, path)
+    params_c, trainer_c = _fp16_trainer(name, args)
+    for b, c in zip(params_b, params_c):
+        c.set_data(b.data())
+    checkpoint.load_states(trainer_c, path)
+    _fp16_steps(trainer_c, params_c, 3, 6)
+    for a, c in zip(params_a, params_c):
+        np.testing.assert_array_equal(a.data().asnumpy(), c.data().asnumpy())
+        assert not np.array_equal(a.data().asnumpy(), np.full(a.shape, 0.1, np.float16))

@@ -538,3 +538,9 @@ def test_copies_do_not_change_the_served_scalers(make, how):
     assert clone.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
     if how != 'copy':
         assert clone.loss_scaler is not opt.loss_scaler
+
+
+@pytest.mark.parametrize('name', ['batch_scale', 'warmup_strategy', 'warmup_epochs'])
+def test_lbsgd_only_arguments_are_refused_with_the_alternative(name):
+    with pytest.raises(ValueError, match="'lssgd' takes no %s.*'lbsgd' with loss_scaler" % name):
+        mx.optimizer.create('lssgd', **{name: 2 if name != 'warmup_strategy' else 'linear'})

@@ -4,7 +4,9 @@
 optimizer runs in this one process through MXNet's Updater on the same weights and
 gradients; the optimizers take turns round after round, each step is timed with the engine
 drained after it, and every ratio is the median over rounds of the ratio within a round.
-Host syncs are counted per step.
+Host syncs are counted per step. `'lblamb'` at its defaults runs the package's native CPU
+operator when ``pip install`` built it (``native`` in the output says whether it did);
+``fused=True``/``False`` force MXNet's multi-tensor and per-tensor LAMB operators.
 
     python -m mx_lbsgd.demo.bench_lamb [--rounds 5] [--dtypes float32 float16] [--json F]
     python benchmarks/bench_lamb.py ...
@@ -53,11 +55,13 @@ def _candidates():
         'mxnet Adam': lambda mp: mx.optimizer.Adam(multi_precision=mp, **common),
         'mxnet SGD momentum': lambda mp: mx.optimizer.SGD(momentum=0.9, multi_precision=mp,
                                                           **common),
-        'lblamb (routed)': lambda mp: mx_lbsgd.LAMB(multi_precision=mp, **common),
-        'lblamb fused=True': lambda mp: mx_lbsgd.LAMB(multi_precision=mp, fused=True,
-                                                      **common),
-        'lblamb fused=False': lambda mp: mx_lbsgd.LAMB(multi_precision=mp, fused=False,
-                                                       **common),
+        'lblamb (default: native)': lambda mp: mx_lbsgd.LAMB(multi_precision=mp, **common),
+        'lblamb + loss scaler': lambda mp: mx_lbsgd.LAMB(
+            multi_precision=mp, loss_scaler=mx_lbsgd.DynamicLossScaler(), **common),
+        'lblamb fused=True (MXNet ops)': lambda mp: mx_lbsgd.LAMB(
+            multi_precision=mp, fused=True, **common),
+        'lblamb fused=False (MXNet ops)': lambda mp: mx_lbsgd.LAMB(
+            multi_precision=mp, fused=False, **common),
     }
 
 
@@ -103,7 +107,7 @@ def run(dtypes, rounds, steps=1, seed=0):
                 syncs_per_step=statistics.mean(c.syncs),
                 vs_mxnet_lamb=ratio('mxnet LAMB (multi_lamb_update)'),
                 vs_adam=ratio('mxnet Adam')))
-    return dict(machine=machine(cpu=_cpu_model()), shapes=len(shapes),
+    return dict(machine=machine(cpu=_cpu_model()), native=mx_lbsgd.native_library() is not None, shapes=len(shapes),
                 parameters=int(sum(np.prod(s) for _, s in shapes)), results=results)
 
 
@@ -125,8 +129,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = run(args.dtypes, args.rounds)
     print(out['machine'])
-    print('%d tensors, %d parameters; median of %d interleaved rounds'
-          % (out['shapes'], out['parameters'], args.rounds))
+    print('%d tensors, %d parameters; median of %d interleaved rounds; native operators: %s'
+          % (out['shapes'], out['parameters'], args.rounds, out['native']))
     print('%-8s %-32s %10s %8s %14s %9s' % ('dtype', 'optimizer', 'ms/step', 'syncs',
                                             '/ mxnet LAMB', '/ Adam'))
     for r in out['results']:

@@ -1,6 +1,7 @@
-"""The ``mx-lbsgd`` command: train, schedule, bench, study, launch.
+"""The ``mx-lbsgd`` command: train, mlm, schedule, bench, study, launch.
 
     mx-lbsgd train [--optimizer lbsgd] [--dtype float16] [--out DIR] ...
+    mx-lbsgd mlm [--steps 200] [--batch-scale 4] [--dtype float16] [--horovod] [--out DIR]
     mx-lbsgd schedule --warmup-steps 100 --batch-scale 8 [--plot FILE.png]
     mx-lbsgd bench [--loss-scale | --shapes] [ARGS of the benchmark ...]
     mx-lbsgd study [--tiny] [--out DIR]
@@ -24,6 +25,7 @@ __all__ = ['main']
 
 _COMMANDS = (
     ('train', 'train an MLP on the 8x8 digits; write metrics, summary and plots'),
+    ('mlm', 'BERT-style masked-LM pre-training with lblamb on synthetic tokens'),
     ('schedule', 'print (and plot) the warmup learning-rate multiplier of each strategy'),
     ('bench', 'optimizer step time against MXNet (--loss-scale, --shapes: the others)'),
     ('study', 'accuracy vs batch size per method (mx_lbsgd.demo.study)'),
@@ -36,6 +38,11 @@ _BENCHMARKS = {'loss_scale': 'bench_loss_scale', 'shapes': 'bench_shapes'}
 def _cmd_train(argv):
     from . import train_command
     return train_command.main(argv)
+
+
+def _cmd_mlm(argv):
+    from . import mlm
+    return mlm.main(argv)
 
 
 def _cmd_schedule(argv):
@@ -75,8 +82,8 @@ def _cmd_launch(argv):
     return launch.main(argv)
 
 
-_HANDLERS = {'train': _cmd_train, 'schedule': _cmd_schedule, 'bench': _cmd_bench,
-             'study': _cmd_study, 'launch': _cmd_launch}
+_HANDLERS = {'train': _cmd_train, 'mlm': _cmd_mlm, 'schedule': _cmd_schedule,
+             'bench': _cmd_bench, 'study': _cmd_study, 'launch': _cmd_launch}
 
 
 def _top_parser():

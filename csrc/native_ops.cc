@@ -1,0 +1,370 @@
+// mx_lbsgd's native CPU operators, loaded at run time with mx.library.load.
+//
+// MXNet 1.9.1's CPU norms read at a fraction of the memory bandwidth (multi_sum_sq, norm),
+// and its LAMB runs four passes per tensor plus two norms. These operators read each array
+// once per pass, on all cores (OpenMP, the runtime MXNet itself links), with no host sync:
+//
+//   mx_lbsgd_sum_sq(a_0 .. a_{n-1})                        -> (n,) float32 sums of squares
+//       (total=1: a (1,) array holding their sum)
+//   mx_lbsgd_lamb_update(w.., g.., mean.., var.. [, w32..]) -> (n,) float32 trust ratios,
+//       updating w, mean, var (and the fp32 master copies w32) in place. Per tensor:
+//         pass 1: mean, var <- moments of g; |w|^2 and |d|^2 of d = m/(sqrt(v)+eps) + wd*w
+//         pass 2: w <- w - lr * ratio * d, with d recomputed from the new moments
+//       Two passes move 10 arrays against Adam's 7; MXNet's phase ops move 13 plus 2 norms.
+//
+// The arithmetic is MXNet's lamb_update_phase1/phase2 in float (including its double
+// bias-correction divisor), compiled without FMA contraction; sums are accumulated in
+// double per block, in a fixed order for a given thread count.
+#include <mxnet/lib_api.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+using mxnet::ext::MXReturnValue;
+using mxnet::ext::MX_FAIL;
+using mxnet::ext::MX_SUCCESS;
+using mxnet::ext::MXTensor;
+using mxnet::ext::OpResource;
+using Attrs = std::unordered_map<std::string, std::string>;
+
+namespace {
+
+constexpr int64_t kBlock = 2048;           // elements summed in float before adding to double
+constexpr int64_t kParallelMin = 1 << 15;  // smaller jobs run on one thread
+
+#define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+
+// float16 <-> float32 a block at a time: GCC 12 does not vectorise _Float16 conversions,
+// so F16C intrinsics do it where the CPU has them (MXNet's own wheel is built without)
+__attribute__((target("avx,f16c"))) void widen_f16c(const _Float16* x, float* y, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    _mm256_storeu_ps(y + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k))));
+  for (; k < n; ++k) y[k] = static_cast<float>(x[k]);
+}
+
+__attribute__((target("avx,f16c"))) void narrow_f16c(const float* x, _Float16* y, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + k),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + k), _MM_FROUND_TO_NEAREST_INT));
+  for (; k < n; ++k) y[k] = static_cast<_Float16>(x[k]);
+}
+
+const bool kHasF16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+
+void widen(const _Float16* x, float* y, int64_t n) {
+  if (kHasF16C) return widen_f16c(x, y, n);
+  for (int64_t k = 0; k < n; ++k) y[k] = static_cast<float>(x[k]);
+}
+
+void narrow(const float* x, _Float16* y, int64_t n) {
+  if (kHasF16C) return narrow_f16c(x, y, n);
+  for (int64_t k = 0; k < n; ++k) y[k] = static_cast<_Float16>(x[k]);
+}
+
+// the n comma-separated numbers of attribute `key`, or false
+bool parse_list(const Attrs& attrs, const char* key, size_t n, std::vector<double>* out) {
+  std::stringstream in(attrs.at(key));
+  std::string item;
+  while (std::getline(in, item, ',')) out->push_back(std::strtod(item.c_str(), nullptr));
+  if (out->size() == n) return true;
+  MX_ERROR_MSG << "mx_lbsgd_lamb_update: " << key << " needs " << n << " values, got "
+               << out->size();
+  return false;
+}
+
+// The element range [lo, hi) of a job of `total` elements that thread t of nt takes.
+struct Split {
+  std::vector<int64_t> start;   // start[i]: first flat index of tensor i; start[n]: total
+  explicit Split(const std::vector<int64_t>& sizes) : start(sizes.size() + 1, 0) {
+    for (size_t i = 0; i < sizes.size(); ++i) start[i + 1] = start[i] + sizes[i];
+  }
+  int threads() const {
+    return start.back() < kParallelMin ? 1 : std::max(1, omp_get_max_threads());
+  }
+  // calls f(tensor, begin, end) for each block of at most kBlock elements that thread t
+  // of nt owns
+  template <typename F> void each(int t, int nt, F f) const {
+    const int64_t total = start.back(), lo = total * t / nt, hi = total * (t + 1) / nt;
+    size_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+    for (; i + 1 < start.size() && start[i] < hi; ++i) {
+      const int64_t a = std::max(lo, start[i]) - start[i], b = std::min(hi, start[i + 1]) - start[i];
+      for (int64_t k = a; k < b; k += kBlock) f(i, k, std::min(b, k + kBlock));
+    }
+  }
+};
+
+HOT float block_sum_sq(const float* x, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t k = 0; k < n; ++k) s += x[k] * x[k];
+  return s;
+}
+
+struct LambHyper {
+  float beta1, beta2, epsilon, rescale, clip, lower, upper;
+};
+
+struct LambTensor {            // one tensor's arrays and constants
+  float* w32;                  // the weights updated in float: master copy or w itself
+  _Float16* w16;               // the float16 weights with a master copy, else null
+  const void* grad;            // float16 with a master copy, else float32
+  float *mean, *var;
+  float lr, wd;
+  double mean_divisor;         // 1 - beta1^t (MXNet divides in double), or 1
+  float var_divisor;           // 1 - beta2^t, or 1: dividing by 1 is exact
+};
+
+// MXNet's phase-1 direction d for one element, after the moments are updated
+inline float direction(const LambHyper& h, const LambTensor& p, float m, float v, float w) {
+  const float m_hat = static_cast<float>(m / p.mean_divisor);
+  const float v_hat = v / p.var_divisor;
+  return m_hat / (std::sqrt(v_hat) + h.epsilon) + p.wd * w;
+}
+
+// pass 1 over n elements: moments updated in place; adds |w|^2 and |d|^2 of the block
+template <bool Clip>
+HOT void lamb_pass1(const LambHyper& h, const LambTensor& p, const float* g, float* mean,
+                    float* var, const float* w, int64_t n, double* w_sq, double* d_sq) {
+  float bw = 0.f, bd = 0.f;
+#pragma omp simd reduction(+ : bw, bd)
+  for (int64_t k = 0; k < n; ++k) {
+    float gr = g[k] * h.rescale;
+    if (Clip) gr = std::max(-h.clip, std::min(h.clip, gr));
+    const float m = h.beta1 * mean[k] + (1.f - h.beta1) * gr;
+    const float v = h.beta2 * var[k] + (1.f - h.beta2) * gr * gr;
+    mean[k] = m;
+    var[k] = v;
+    const float d = direction(h, p, m, v, w[k]);
+    bw += w[k] * w[k];
+    bd += d * d;
+  }
+  *w_sq += bw;
+  *d_sq += bd;
+}
+
+HOT void lamb_pass2(const LambHyper& h, const LambTensor& p, const float* mean,
+                    const float* var, float* w, int64_t n, float lr_adjusted) {
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) w[k] = w[k] - lr_adjusted * direction(h, p, mean[k], var[k], w[k]);
+}
+
+// ---- mx_lbsgd_sum_sq -------------------------------------------------------------------
+
+MXReturnValue sum_sq_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = std::stoi(attrs.at("num_arrays"));
+  *num_out = 1;
+  return *num_in > 0 ? MX_SUCCESS : MX_FAIL;
+}
+
+MXReturnValue sum_sq_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  for (int t : *in)
+    if (t != mxnet::ext::kFloat32 && t != mxnet::ext::kFloat16) {
+      MX_ERROR_MSG << "mx_lbsgd_sum_sq takes float32 or float16 arrays";
+      return MX_FAIL;
+    }
+  (*out)[0] = mxnet::ext::kFloat32;
+  return MX_SUCCESS;
+}
+
+bool total_only(const Attrs& attrs) {
+  const auto it = attrs.find("total");
+  return it != attrs.end() && std::stoi(it->second) != 0;
+}
+
+MXReturnValue sum_sq_shape(const Attrs& attrs, std::vector<std::vector<unsigned>>* in,
+                           std::vector<std::vector<unsigned>>* out) {
+  (*out)[0] = {total_only(attrs) ? 1u : static_cast<unsigned>(in->size())};
+  return MX_SUCCESS;
+}
+
+MXReturnValue sum_sq_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                             std::vector<MXTensor>* out, const OpResource&) {
+  const size_t n = in->size();
+  std::vector<int64_t> sizes(n);
+  for (size_t i = 0; i < n; ++i) sizes[i] = (*in)[i].size();
+  const Split split(sizes);
+  const int nt = split.threads();
+  std::vector<double> part(static_cast<size_t>(nt) * n, 0.0);
+#pragma omp parallel num_threads(nt)
+  {
+    float buffer[kBlock];
+    double* mine = &part[omp_get_thread_num() * n];
+    split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+      MXTensor& x = (*in)[i];
+      const float* block = x.data<float>() + a;
+      if (x.dtype == mxnet::ext::kFloat16) {
+        widen(x.data<_Float16>() + a, buffer, b - a);
+        block = buffer;
+      }
+      mine[i] += block_sum_sq(block, b - a);
+    });
+  }
+  float* result = (*out)[0].data<float>();
+  double total = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    double s = 0.0;
+    for (int t = 0; t < nt; ++t) s += part[t * n + i];
+    if (!total_only(attrs)) result[i] = static_cast<float>(s);
+    total += s;
+  }
+  if (total_only(attrs)) result[0] = static_cast<float>(total);
+  return MX_SUCCESS;
+}
+
+// ---- mx_lbsgd_lamb_update -------------------------------------------------------------
+
+int lamb_arrays(const Attrs& attrs) {
+  return std::stoi(attrs.at("multi_precision")) ? 5 : 4;
+}
+
+MXReturnValue lamb_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = lamb_arrays(attrs) * std::stoi(attrs.at("num_tensors"));
+  *num_out = 1;
+  return *num_in > 0 ? MX_SUCCESS : MX_FAIL;
+}
+
+MXReturnValue lamb_type(const Attrs& attrs, std::vector<int>* in, std::vector<int>* out) {
+  const size_t n = in->size() / lamb_arrays(attrs);
+  const bool mp = lamb_arrays(attrs) == 5;
+  for (size_t j = 0; j < in->size(); ++j) {
+    const size_t kind = j / n;   // 0 w, 1 g, 2 mean, 3 var, 4 w32
+    const int want = (mp && kind < 2) ? mxnet::ext::kFloat16 : mxnet::ext::kFloat32;
+    if ((*in)[j] != want) {
+      MX_ERROR_MSG << "mx_lbsgd_lamb_update: array " << j << " must be "
+                   << (want == mxnet::ext::kFloat16 ? "float16" : "float32");
+      return MX_FAIL;
+    }
+  }
+  (*out)[0] = mxnet::ext::kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue lamb_shape(const Attrs& attrs, std::vector<std::vector<unsigned>>* in,
+                         std::vector<std::vector<unsigned>>* out) {
+  const size_t n = in->size() / lamb_arrays(attrs);
+  for (size_t j = n; j < in->size(); ++j)
+    if ((*in)[j] != (*in)[j % n]) {
+      MX_ERROR_MSG << "mx_lbsgd_lamb_update: array " << j << " differs in shape from weight "
+                   << j % n;
+      return MX_FAIL;
+    }
+  (*out)[0] = {static_cast<unsigned>(n)};
+  return MX_SUCCESS;
+}
+
+MXReturnValue lamb_mutate(const Attrs& attrs, std::vector<int>* indices) {
+  const int n = std::stoi(attrs.at("num_tensors")), arrays = lamb_arrays(attrs);
+  for (int j = 0; j < arrays * n; ++j)
+    if (j / n != 1) indices->push_back(j);    // everything but the gradients
+  return MX_SUCCESS;
+}
+
+MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                           std::vector<MXTensor>* out, const OpResource&) {
+  const bool mp = lamb_arrays(attrs) == 5;
+  const size_t n = in->size() / lamb_arrays(attrs);
+  std::vector<double> lrs, wds, steps, applies;
+  if (!parse_list(attrs, "lrs", n, &lrs) || !parse_list(attrs, "wds", n, &wds) ||
+      !parse_list(attrs, "steps", n, &steps) || !parse_list(attrs, "applies", n, &applies))
+    return MX_FAIL;
+  LambHyper h;
+  h.beta1 = std::stof(attrs.at("beta1"));
+  h.beta2 = std::stof(attrs.at("beta2"));
+  h.epsilon = std::stof(attrs.at("epsilon"));
+  h.rescale = std::stof(attrs.at("rescale_grad"));
+  h.clip = std::stof(attrs.at("clip_gradient"));
+  h.lower = std::stof(attrs.at("lower_bound"));
+  h.upper = std::stof(attrs.at("upper_bound"));
+  const bool bias_correction = std::stoi(attrs.at("bias_correction")) != 0;
+
+  std::vector<LambTensor> tensors(n);
+  std::vector<int64_t> sizes(n);
+  for (size_t i = 0; i < n; ++i) {
+    LambTensor& p = tensors[i];
+    p.w32 = (*in)[mp ? 4 * n + i : i].data<float>();
+    p.w16 = mp ? (*in)[i].data<_Float16>() : nullptr;
+    p.grad = (*in)[n + i].data_ptr;
+    p.mean = (*in)[2 * n + i].data<float>();
+    p.var = (*in)[3 * n + i].data<float>();
+    p.lr = static_cast<float>(lrs[i]);
+    p.wd = static_cast<float>(wds[i]);
+    const int t = static_cast<int>(steps[i]);
+    // MXNet's phase 1: float powers, the mean's divisor in double, the variance's in float
+    const float beta1_t = std::pow(h.beta1, t), beta2_t = std::pow(h.beta2, t);
+    p.mean_divisor = bias_correction ? 1. - beta1_t : 1.;
+    p.var_divisor = bias_correction ? 1 - beta2_t : 1.f;
+    sizes[i] = (*in)[i].size();
+  }
+  const Split split(sizes);
+  const int nt = split.threads();
+  std::vector<double> w_sq(static_cast<size_t>(nt) * n, 0.0), d_sq(w_sq.size(), 0.0);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    float buffer[kBlock];
+    split.each(t, nt, [&](size_t i, int64_t a, int64_t b) {
+      const LambTensor& p = tensors[i];
+      const float* g = static_cast<const float*>(p.grad) + a;
+      if (p.w16 != nullptr) {
+        widen(static_cast<const _Float16*>(p.grad) + a, buffer, b - a);
+        g = buffer;
+      }
+      (h.clip >= 0.f ? lamb_pass1<true> : lamb_pass1<false>)(h, p, g, p.mean + a, p.var + a, p.w32 + a, b - a, &w_sq[t * n + i],
+                 &d_sq[t * n + i]);
+    });
+  }
+  std::vector<float> lr_adjusted(n);
+  float* ratios = (*out)[0].data<float>();
+  for (size_t i = 0; i < n; ++i) {
+    float r1 = 0.f, r2 = 0.f;
+    if (applies[i] != 0) {
+      double ws = 0.0, ds = 0.0;
+      for (int t = 0; t < nt; ++t) { ws += w_sq[t * n + i]; ds += d_sq[t * n + i]; }
+      r1 = static_cast<float>(std::sqrt(ws));
+      r2 = static_cast<float>(std::sqrt(ds));
+      if (h.lower >= 0.f) r1 = std::max(r1, h.lower);
+      if (h.upper >= 0.f) r1 = std::min(r1, h.upper);
+    }
+    const float lr = tensors[i].lr;
+    lr_adjusted[i] = (r1 == 0.f || r2 == 0.f) ? lr : lr * r1 / r2;
+    ratios[i] = (r1 == 0.f || r2 == 0.f) ? 1.f : r1 / r2;
+  }
+#pragma omp parallel num_threads(nt)
+  split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+    const LambTensor& p = tensors[i];
+    lamb_pass2(h, p, p.mean + a, p.var + a, p.w32 + a, b - a, lr_adjusted[i]);
+    if (p.w16 != nullptr) narrow(p.w32 + a, p.w16 + a, b - a);
+  });
+  return MX_SUCCESS;
+}
+
+}  // namespace
+
+REGISTER_OP(mx_lbsgd_sum_sq)
+    .setParseAttrs(sum_sq_parse)
+    .setInferType(sum_sq_type)
+    .setInferShape(sum_sq_shape)
+    .setForward(sum_sq_forward, "cpu");
+
+REGISTER_OP(mx_lbsgd_lamb_update)
+    .setParseAttrs(lamb_parse)
+    .setInferType(lamb_type)
+    .setInferShape(lamb_shape)
+    .setMutateInputs(lamb_mutate)
+    .setForward(lamb_forward, "cpu");
+
+MXReturnValue initialize(int version) {
+  if (version >= 10900) return MX_SUCCESS;
+  MX_ERROR_MSG << "mx_lbsgd's native operators need MXNet >= 1.9, found " << version;
+  return MX_FAIL;
+}

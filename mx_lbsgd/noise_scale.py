@@ -1,0 +1,204 @@
+"""`GradientNoiseScale`: how large a batch pays off, measured while a Trainer trains.
+
+McCandlish et al., "An Empirical Model of Large-Batch Training" (2018),
+https://arxiv.org/abs/1812.06162. The simple noise scale ``B_simple = tr(Sigma) / |G|^2``
+predicts the critical batch size; it is estimated from the squared norms of the mean
+gradient at two batch sizes, B_small < B_big (their Appendix A.1)::
+
+    |G|^2     ~ (B_big * |g_big|^2 - B_small * |g_small|^2) / (B_big - B_small)
+    tr(Sigma) ~ (|g_small|^2 - |g_big|^2) / (1 / B_small - 1 / B_big)
+    B_simple  = ema(tr(Sigma)) / ema(|G|^2)          # each term smoothed on its own
+
+The Trainer already holds both gradients. g_small: one device's gradient of one
+micro-batch, before the window sums it and before any reduction (B_small = the
+micro-batch on one device). g_big: the gradient the update applies, after the window and
+the reduction over devices and workers (kvstore ``device``/``dist_sync``, Horovod);
+B_big = B_small * devices * workers * batch_scale. Every norm is a sum of squares on the
+device; the host reads them once every `interval` updates. The monitor only reads
+gradients, so training is bit for bit the same with and without it.
+
+Unlike GPT-NeoX's and k-diffusion's PyTorch monitors, which compute extra gradients or
+gather per-worker norms, this one uses only gradients the step computes anyway and adds
+no communication: each worker estimates from its own small gradients and the shared big
+one.
+"""
+import math
+import weakref
+
+import numpy as np
+import mxnet as mx
+from mxnet import nd
+
+from . import _binding, _compat, _kernels, _native
+
+__all__ = ['GradientNoiseScale']
+
+
+class GradientNoiseScale:
+    """Estimates the gradient noise scale of a gluon Trainer that runs an mx_lbsgd
+    optimizer (``'lbsgd'``, ``'lssgd'``, ``'lblamb'``).
+
+    Parameters
+    ----------
+    trainer : gluon.Trainer (or Horovod's DistributedTrainer)
+    interval : int >= 1, default 10
+        Updates between host reads; the estimates change only then.
+    smoothing : float in [0, 1), default 0.95
+        Decay of the exponential moving averages of |G|^2 and tr(Sigma) (bias-corrected,
+        as Adam's moments).
+
+    Attributes
+    ----------
+    b_simple : float or None
+        The smoothed estimate, None until there is one (or while the smoothed |G|^2 is not
+        positive).
+    gradient_sq, trace_sigma : float or None
+        The smoothed |G|^2 and tr(Sigma), in units of the mean per-example gradient.
+    b_small, b_big : float or None
+        The two batch sizes (examples per gradient), known after the first step.
+    history : list of dict
+        One entry per update read: ``update``, ``b_small``, ``b_big``, ``small_sq``,
+        ``big_sq`` (the raw squared norms), ``gradient_sq``, ``trace_sigma``, ``b_simple``
+        (smoothed, after this update). Updates whose gradients were not finite (skipped by
+        a loss scaler) are left out.
+    """
+
+    def __init__(self, trainer, interval=10, smoothing=0.95):
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError('interval must be an int >= 1; got %r' % (interval,))
+        if not (isinstance(smoothing, (int, float)) and 0.0 <= smoothing < 1.0):
+            raise ValueError('smoothing must be a float in [0, 1); got %r' % (smoothing,))
+        opt = trainer.optimizer
+        if not hasattr(opt, 'begin_step'):
+            raise TypeError("GradientNoiseScale needs a Trainer running one of mx_lbsgd's "
+                            "optimizers ('lbsgd', 'lssgd', 'lblamb'); this one runs %s"
+                            % type(opt).__name__)
+        self.interval, self.smoothing = interval, float(smoothing)
+        self.b_simple = self.gradient_sq = self.trace_sigma = None
+        self.b_small = self.b_big = None
+        self.history = []
+        # weak: the Trainer's binding holds this monitor, and must not keep the Trainer
+        # (and its kvstore, whose destructor ends a dist_sync worker cleanly) alive
+        self._trainer = weakref.ref(trainer)
+        self._devices = len(_compat.trainer_params(trainer)[0].list_ctx())
+        self._pending = []          # per update: ([small sums], big sum, B_small, B_big)
+        self._small = []            # this update's small sums so far
+        self._ema = [0.0, 0.0, 0]   # |G|^2, tr(Sigma), samples
+        self._updates = 0
+        self._checked = False
+        self._binding = _binding.bind(trainer)
+        self._binding.observers.append(self)
+        if self._devices == 1 and not self._window_at_trainer() \
+                and _compat.trainer_worker_count(trainer, default=None) == 1:
+            raise self._one_batch_size()
+
+    def close(self):
+        """Stop observing (the estimates stay)."""
+        if self in self._binding.observers:
+            self._binding.observers.remove(self)
+
+    # -- observations (called by the Trainer binding) -----------------------------------
+    def before_reduction(self, trainer, opt):
+        """One micro-batch's local gradients, device by device."""
+        factor = self._devices / (self._batch(trainer, opt) * self._loss_scale(opt))
+        for grads in _gradients_by_device(trainer):
+            self._small.append((_sum_squares(grads), factor ** 2))
+
+    def after_reduction(self, trainer, opt, closes_window):
+        """The reduced gradient that the update applies."""
+        if not self._checked:
+            self._check_two_sizes(trainer, opt)
+        workers = _compat.trainer_worker_count(trainer, default=1)
+        batch = self._batch(trainer, opt)
+        window = opt.batch_scale if closes_window else 1
+        b_small = batch / self._devices
+        b_big = batch * workers * window
+        big = _sum_squares(_gradients_by_device(trainer)[0])
+        factor = 1.0 / (batch * workers * self._loss_scale(opt))
+        self._pending.append((self._small, (big, factor ** 2), b_small, b_big))
+        self._small = []
+        self._updates += 1
+        if self._updates % self.interval == 0:
+            self.flush()
+
+    def flush(self):
+        """Read the pending norms now (one host read) and update the estimates."""
+        if not self._pending:
+            return
+        arrays = [a.as_in_context(mx.cpu()) for small, big, _, _ in self._pending
+                  for a, _ in small + [big]]
+        values = nd.concat(*arrays, dim=0).asnumpy().tolist()
+        start = self._updates - len(self._pending) + 1
+        for u, (small, (_, big_factor), b_small, b_big) in enumerate(self._pending):
+            sums = [values.pop(0) * f for _, f in small]
+            big_sq = values.pop(0) * big_factor
+            if not sums or not all(map(math.isfinite, sums + [big_sq])) or b_big <= b_small:
+                continue
+            self._estimate(start + u, sum(sums) / len(sums), big_sq, b_small, b_big)
+        self._pending = []
+
+    # -- estimation ----------------------------------------------------------------------
+    def _estimate(self, update, small_sq, big_sq, b_small, b_big):
+        g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+        trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+        ema = self._ema
+        ema[0] = self.smoothing * ema[0] + (1 - self.smoothing) * g2
+        ema[1] = self.smoothing * ema[1] + (1 - self.smoothing) * trace
+        ema[2] += 1
+        correction = 1 - self.smoothing ** ema[2]
+        self.gradient_sq, self.trace_sigma = ema[0] / correction, ema[1] / correction
+        self.b_simple = self.trace_sigma / self.gradient_sq if self.gradient_sq > 0 else None
+        self.b_small, self.b_big = b_small, b_big
+        self.history.append(dict(update=update, b_small=b_small, b_big=b_big,
+                                 small_sq=small_sq, big_sq=big_sq,
+                                 gradient_sq=self.gradient_sq, trace_sigma=self.trace_sigma,
+                                 b_simple=self.b_simple))
+
+    # -- what the step knows ---------------------------------------------------------------
+    def _window_at_trainer(self):
+        opt = self._trainer().optimizer
+        return opt.accumulates_at_trainer() and self._binding.window_at_reduction
+
+    @staticmethod
+    def _batch(trainer, opt):
+        """Examples per step on this worker: Trainer.step(batch_size) sets rescale_grad to
+        scale / batch_size (Horovod's trainer divides scale by its size as well)."""
+        return _compat.trainer_scale(trainer) / opt.rescale_grad
+
+    @staticmethod
+    def _loss_scale(opt):
+        scaler = getattr(opt, 'loss_scaler', None)
+        return 1.0 if scaler is None else float(scaler.scale)
+
+    def _check_two_sizes(self, trainer, opt):
+        self._checked = True
+        if self._devices == 1 and _compat.trainer_worker_count(trainer, default=1) == 1 \
+                and not self._window_at_trainer():
+            raise self._one_batch_size()
+
+    def _one_batch_size(self):
+        self.close()
+        return ValueError(
+            'GradientNoiseScale needs gradients at two batch sizes, and this Trainer has one '
+            'device, one worker and no accumulation window at the Trainer: use batch_scale > 1 '
+            '(with a Trainer that reduces once per update: no update_on_kvstore, dense '
+            'gradients), more than one device, or more than one worker (dist_sync, Horovod)')
+
+
+def _gradients_by_device(trainer):
+    """[[gradients of device 0], [of device 1], ...] of the trainable parameters."""
+    params = [p for p in _compat.trainer_params(trainer) if p.grad_req != 'null']
+    return [list(grads) for grads in zip(*[p.list_grad() for p in params])]
+
+
+def _sum_squares(arrays):
+    """A (1,) float32 array on the arrays' device: the sum of their squares (the native
+    operator in one call on CPU; else MXNet's multi_sum_sq per dtype)."""
+    ops = _native.ops()
+    dtypes = sorted({np.dtype(a.dtype).name for a in arrays})
+    if ops is not None and arrays[0].context.device_type == 'cpu' \
+            and set(dtypes) <= {'float32', 'float16'}:
+        return ops.sum_sq(*arrays, num_arrays=len(arrays), total=1)
+    parts = [_kernels.sum_squares([a for a in arrays if np.dtype(a.dtype).name == d]).sum()
+             for d in dtypes]
+    return nd.add_n(*parts) if len(parts) > 1 else parts[0]

@@ -1,0 +1,79 @@
+"""The gradient-noise-scale problem with an exact answer, for tests/test_noise_scale.py.
+
+Per-example loss 1/2 |w - x_i|^2 with x_i ~ N(mu, sigma^2 I_d): the per-example gradient is
+w - x_i, so tr(Sigma) = d sigma^2 and |G|^2 = |w - mu|^2, and B_simple = d sigma^2 / |w - mu|^2.
+The learning rate is tiny, so w (and the truth) stays put.
+
+    python tests/noise_worker.py CONFIG_JSON OUT_DIR      # a dist_sync or Horovod worker
+
+Config: kvstore (None, 'device', 'dist_sync', 'horovod'), devices, batch (per device),
+batch_scale, updates, seed, optimizer. Each worker writes rankR.json with the monitor's
+estimates and the truth.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+import mx_lbsgd
+
+D, SIGMA, G2 = 1024, 1.0, 32.0          # B_simple = 1024 / 32 = 32
+
+
+def truth():
+    return dict(trace_sigma=D * SIGMA ** 2, gradient_sq=G2, b_simple=D * SIGMA ** 2 / G2)
+
+
+def run(cfg, rank=0, hvd=None, kvstore=None):
+    ctxs = [mx.cpu(i) for i in range(cfg.get('devices', 1))]
+    mu = np.zeros(D)
+    w0 = np.full(D, np.sqrt(G2 / D))
+    param = gluon.Parameter('w_weight', shape=(D,))
+    param.initialize(ctx=ctxs)
+    param.set_data(nd.array(w0))
+    args = dict(learning_rate=1e-9, batch_scale=cfg.get('batch_scale', 1))
+    if cfg.get('optimizer', 'lbsgd') == 'lbsgd':
+        args['momentum'] = 0.0
+    if hvd is not None:
+        trainer = hvd.DistributedTrainer([param], cfg.get('optimizer', 'lbsgd'), args)
+    else:
+        kvstore = kvstore or cfg.get('kvstore')
+        trainer = gluon.Trainer([param], cfg.get('optimizer', 'lbsgd'), args, kvstore=kvstore,
+                                update_on_kvstore=False if kvstore else None)
+    monitor = mx_lbsgd.GradientNoiseScale(trainer, interval=cfg.get('interval', 10),
+                                          smoothing=cfg.get('smoothing', 0.99))
+    rng = np.random.RandomState(cfg.get('seed', 0) + 1000 * rank)
+    batch = cfg['batch']
+    for _ in range(cfg['updates'] * args['batch_scale']):
+        with autograd.record():
+            losses = [0.5 * ((param.data(c) - nd.array(rng.normal(mu, SIGMA, (batch, D)),
+                                                      ctx=c)) ** 2).sum() for c in ctxs]
+        autograd.backward(losses)
+        trainer.step(batch * len(ctxs))
+    mx.nd.waitall()     # a dist_sync worker must not exit with reductions in flight
+    monitor.flush()
+    return dict(b_simple=monitor.b_simple, gradient_sq=monitor.gradient_sq,
+                trace_sigma=monitor.trace_sigma, b_small=monitor.b_small, b_big=monitor.b_big,
+                reads=len(monitor.history), truth=truth())
+
+
+def main():
+    cfg, out = json.loads(sys.argv[1]), sys.argv[2]
+    hvd = kv = None
+    if cfg.get('kvstore') == 'horovod':
+        import horovod.mxnet as hvd
+        hvd.init()
+        rank = hvd.rank()
+    else:
+        kv = mx.kv.create(cfg['kvstore'])
+        rank = kv.rank
+    result = run(cfg, rank, hvd, kv)
+    with open(os.path.join(out, 'rank%d.json' % rank), 'w') as f:
+        json.dump(result, f)
+
+
+if __name__ == '__main__':
+    main()

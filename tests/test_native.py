@@ -1,0 +1,170 @@
+"""The native CPU operators (csrc/native_ops.cc) against the numpy reference and MXNet's own
+operators, and the routing that picks them. CI sets MX_LBSGD_NATIVE=1, so there a library
+that failed to build fails these tests instead of skipping them."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import nd
+
+import mx_lbsgd
+from mx_lbsgd import _native
+from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
+from reference import lamb_step
+
+OPS = _native.ops()
+needs_native = pytest.mark.skipif(OPS is None, reason='the native library is not built '
+                                  '(no C++ compiler at install time) or MX_LBSGD_NATIVE=0')
+
+# big tensors are split across threads, small ones fall inside one thread's range
+SHAPES = [(3, 5), (70001,), (7,), (2, 1), (300, 400), (1,)]
+
+
+def _arrays(dtype, seed=0, shapes=SHAPES, low=-1.0):
+    rng = np.random.RandomState(seed)
+    return [rng.uniform(low, 1, s).astype(dtype) for s in shapes]
+
+
+@needs_native
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
+def test_sum_sq_equals_float64_numpy(dtype):
+    xs = _arrays(dtype)
+    got = OPS.sum_sq(*[nd.array(x, dtype=dtype) for x in xs], num_arrays=len(xs)).asnumpy()
+    want = [np.sum(x.astype(np.float64) ** 2) for x in xs]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+LAMB_CASES = [
+    pytest.param(dict(clip=None, bounds=(None, None), bias_correction=True, rescale=1.0,
+                      applies=[1] * 6), id='plain'),
+    pytest.param(dict(clip=0.05, bounds=(0.1, 5.0), bias_correction=False, rescale=0.5,
+                      applies=[1, 0, 1, 1, 0, 1]), id='clip-bounds-nobc-excluded'),
+    pytest.param(dict(clip=None, bounds=(None, 2.0), bias_correction=True, rescale=0.25,
+                      applies=[0] * 6), id='all-excluded'),
+]
+
+
+def _lamb_problem(dtype, seed):
+    weights = _arrays(dtype, seed)
+    grads = _arrays(dtype, seed + 1)
+    means = _arrays('float32', seed + 2, low=-0.1)
+    variances = [np.abs(v) * 0.1 for v in _arrays('float32', seed + 3)]
+    return weights, grads, means, variances
+
+
+def _lamb_call(case, mp, weights, grads, means, variances, masters):
+    n = len(weights)
+    lo, hi = case['bounds']
+    arrays = weights + grads + means + variances + (masters if mp else [])
+    return OPS.lamb_update(
+        *arrays, num_tensors=n, multi_precision=int(mp), lrs='0.01,0.02,0.03,0.04,0.05,0.06',
+        wds='0,0.1,0.01,0.001,0.2,0.3', steps='1,5,3,10,2,7',
+        applies=','.join(map(str, case['applies'])), beta1=0.9, beta2=0.999, epsilon=1e-6,
+        bias_correction=int(case['bias_correction']), rescale_grad=case['rescale'],
+        clip_gradient=case['clip'] or -1, lower_bound=lo or -1, upper_bound=hi or -1)
+
+
+@needs_native
+@pytest.mark.parametrize('mp', [pytest.param(False, id='fp32'), pytest.param(True, id='fp16mp')])
+@pytest.mark.parametrize('case', LAMB_CASES)
+def test_lamb_update_equals_the_reference_and_mxnet_moments(case, mp):
+    dtype = 'float16' if mp else 'float32'
+    w0, g0, m0, v0 = _lamb_problem(dtype, seed=3)
+    weights, grads = [nd.array(w, dtype=dtype) for w in w0], [nd.array(g, dtype=dtype) for g in g0]
+    means, variances = [nd.array(m) for m in m0], [nd.array(v) for v in v0]
+    masters = [nd.array(w.astype(np.float32)) for w in w0]
+    ratios = _lamb_call(case, mp, weights, grads, means, variances, masters).asnumpy()
+    lrs, wds, steps = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06], [0, .1, .01, .001, .2, .3], [1, 5, 3, 10, 2, 7]
+    for i in range(len(w0)):
+        w, mean, var = lamb_step(
+            w0[i].astype(np.float64), g0[i], m0[i].astype(np.float64), v0[i].astype(np.float64),
+            t=steps[i], lr=lrs[i], wd=wds[i], lower_bound=case['bounds'][0],
+            upper_bound=case['bounds'][1], bias_correction=case['bias_correction'],
+            rescale=case['rescale'], clip=case['clip'], ratio=bool(case['applies'][i]))
+        updated = masters[i] if mp else weights[i]
+        # float32 arithmetic against float64 (the moments are checked bit for bit below)
+        np.testing.assert_allclose(updated.asnumpy(), w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(means[i].asnumpy(), mean, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(variances[i].asnumpy(), var, rtol=1e-4, atol=1e-9)
+        if mp:     # the float16 weights are the master copy rounded
+            np.testing.assert_array_equal(weights[i].asnumpy(), masters[i].asnumpy().astype(np.float16))
+        if not case['applies'][i]:
+            assert ratios[i] == 1.0
+    # the moments are MXNet's lamb_update_phase1's, bit for bit
+    for i in range(len(w0)):
+        m, v = nd.array(m0[i]), nd.array(v0[i])
+        kwargs = dict(beta1=0.9, beta2=0.999, epsilon=1e-6, t=steps[i], wd=wds[i],
+                      bias_correction=case['bias_correction'], rescale_grad=case['rescale'])
+        if case['clip']:
+            kwargs['clip_gradient'] = case['clip']
+        nd.lamb_update_phase1(nd.array(w0[i].astype(np.float32)),
+                              nd.array(g0[i].astype(np.float32)), m, v, **kwargs)
+        np.testing.assert_array_equal(means[i].asnumpy(), m.asnumpy())
+        np.testing.assert_array_equal(variances[i].asnumpy(), v.asnumpy())
+
+
+@needs_native
+def test_lamb_update_refuses_wrong_dtypes():
+    w = [nd.ones((4,), dtype='float64')]
+    with pytest.raises(mx.MXNetError, match='must be float32'):
+        OPS.lamb_update(*(w * 4), num_tensors=1, multi_precision=0, lrs='0.1', wds='0',
+                        steps='1', applies='1', beta1=0.9, beta2=0.999, epsilon=1e-6,
+                        bias_correction=1, rescale_grad=1.0, clip_gradient=-1,
+                        lower_bound=-1, upper_bound=-1).wait_to_read()
+
+
+def _lamb_steps(fused, dtype='float32', mp=False, steps=3):
+    rng = np.random.RandomState(0)
+    shapes = [(300, 200), (200,), (5000,), (10, 10)]
+    weights = [nd.array(rng.uniform(-1, 1, s), dtype=dtype) for s in shapes]
+    opt = mx_lbsgd.LAMB(learning_rate=0.01, wd=0.01, multi_precision=mp, fused=fused,
+                        trust_exclude=lambda name: name == '1')
+    opt.idx2name = {i: str(i) for i in range(len(shapes))}
+    updater = mx.optimizer.get_updater(opt)
+    launches, syncs = [], []
+    for _ in range(steps):
+        grads = [nd.array(rng.uniform(-1, 1, s), dtype=dtype) for s in shapes]
+        with count_kernel_launches() as calls, count_host_syncs(include_waitall=False) as read:
+            updater(list(range(len(shapes))), grads, weights)
+        launches.append(len(calls))
+        syncs.append(len(read))
+    return [w.asnumpy() for w in weights], launches, syncs
+
+
+@needs_native
+@pytest.mark.parametrize('dtype, mp', [pytest.param('float32', False, id='fp32'),
+                                       pytest.param('float16', True, id='fp16mp')])
+def test_routed_lamb_is_one_native_launch_and_no_host_sync(dtype, mp):
+    native, launches, syncs = _lamb_steps(None, dtype, mp)
+    assert launches[1:] == [1, 1] and syncs == [0, 0, 0]    # the first step creates states
+    mxnet_ops, mxnet_launches, _ = _lamb_steps(True, dtype, mp)
+    assert min(mxnet_launches) > 1
+    for a, b in zip(native, mxnet_ops):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32),
+                                   rtol=1e-3 if mp else 1e-5, atol=1e-3 if mp else 1e-6)
+
+
+def test_native_library_can_be_disabled_and_required():
+    """MX_LBSGD_NATIVE=0 routes to MXNet's operators; =1 fails loudly without a library."""
+    code = ('import mx_lbsgd, mxnet as mx; from mx_lbsgd import _native; '
+            'print(_native.ops() is None, hasattr(mx.nd, "mx_lbsgd_lamb_update"))')
+    env = dict(os.environ, MX_LBSGD_NATIVE='0')
+    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ['True', 'False']
+    env['MX_LBSGD_NATIVE'] = 'maybe'
+    err = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True)
+    assert err.returncode != 0 and 'MX_LBSGD_NATIVE must be' in err.stderr
+
+
+@needs_native
+def test_loads_after_horovods_mxnet_binding():
+    """Horovod's binding, imported first, once made mx.library.load crash (fixed by linking
+    with -Bsymbolic)."""
+    pytest.importorskip('horovod.mxnet')
+    code = 'import horovod.mxnet, mx_lbsgd; print(mx_lbsgd.native_library() is not None)'
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ['True'], out.stderr[-2000:]
