@@ -194,6 +194,7 @@ def _gradients_by_device(trainer):
 def _sum_squares(arrays):
     """A (1,) float32 array on the arrays' device: the sum of their squares (the native
     operator in one call on CPU; else MXNet's multi_sum_sq per dtype)."""
+    arrays = [a.data if a.stype != 'default' else a for a in arrays]   # sparse: the values
     ops = _native.ops()
     dtypes = sorted({np.dtype(a.dtype).name for a in arrays})
     if ops is not None and arrays[0].context.device_type == 'cpu' \

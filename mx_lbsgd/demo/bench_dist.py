@@ -419,6 +419,7 @@ def main(argv=None):
     finally:
         shutil.rmtree(out, ignore_errors=True)
     results['machine'] = machine(engines=args.engines)
+    print('machine: %s' % results['machine'])
     print('MLP %d x %d + 10-way output: %d parameters (%.1f MB float32); 2 workers, '
           'batch %d per worker, batch_scale %d; %d rounds x %d windows'
           % (args.layers, args.hidden, params, 4e-6 * params, args.batch, B, args.rounds,

@@ -107,17 +107,8 @@ def run(dtypes, rounds, steps=1, seed=0):
                 syncs_per_step=statistics.mean(c.syncs),
                 vs_mxnet_lamb=ratio('mxnet LAMB (multi_lamb_update)'),
                 vs_adam=ratio('mxnet Adam')))
-    return dict(machine=machine(cpu=_cpu_model()), native=mx_lbsgd.native_library() is not None, shapes=len(shapes),
+    return dict(machine=machine(), shapes=len(shapes),
                 parameters=int(sum(np.prod(s) for _, s in shapes)), results=results)
-
-
-def _cpu_model():
-    try:
-        with open('/proc/cpuinfo') as f:
-            return next(line.split(':', 1)[1].strip() for line in f
-                        if line.startswith('model name'))
-    except (OSError, StopIteration):
-        return 'unknown CPU'
 
 
 def main(argv=None):
@@ -130,7 +121,7 @@ def main(argv=None):
     out = run(args.dtypes, args.rounds)
     print(out['machine'])
     print('%d tensors, %d parameters; median of %d interleaved rounds; native operators: %s'
-          % (out['shapes'], out['parameters'], args.rounds, out['native']))
+          % (out['shapes'], out['parameters'], args.rounds, out['machine']['native_operators']))
     print('%-8s %-32s %10s %8s %14s %9s' % ('dtype', 'optimizer', 'ms/step', 'syncs',
                                             '/ mxnet LAMB', '/ Adam'))
     for r in out['results']:

@@ -268,6 +268,7 @@ def main(argv=None):
     results['targets'] = targets(results)
     results['machine'] = bench_step.machine(
         loadavg_1min_start_end=[load, os.getloadavg()[0]])
+    print('machine: %s' % results['machine'])
     print('ResNet-50 v1: %d tensors, %d parameters, batch %d, loss scale %g' % (
         results['tensors'], results['parameters'], BATCH, SCALE))
     print(table(results))

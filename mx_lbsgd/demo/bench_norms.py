@@ -15,7 +15,6 @@ import numpy as np
 import mxnet as mx
 
 import mx_lbsgd
-from mx_lbsgd.demo.bench_lamb import _cpu_model
 from mx_lbsgd.demo.bench_step import machine, resnet50_shapes, save_json
 
 __all__ = ['run', 'main']
@@ -50,7 +49,7 @@ def run(rounds, seed=0):
         for name, ts in times.items():
             ms = 1e3 * statistics.median(ts[1:])
             results.append(dict(dtype=dtype, name=name, ms=ms, gb_per_s=nbytes / ms / 1e6))
-    return dict(machine=machine(cpu=_cpu_model()), tensors=len(shapes),
+    return dict(machine=machine(), tensors=len(shapes),
                 parameters=int(sum(np.prod(s) for s in shapes)), results=results)
 
 

@@ -20,6 +20,7 @@ from mxnet import gluon, nd
 
 import mx_lbsgd  # noqa: F401  (registers 'lbsgd')
 
+from . import bench_step
 from .bench_step import set_gradients
 
 __all__ = ['main']
@@ -92,6 +93,8 @@ def main(argv=None):
                                   / r['dense buffer accumulate'] for r in rounds)
     mb_sparse = touched * 4 * args.dim * 4 / 1e6      # at most 4 micro-batches of rows
     mb_dense = args.rows * args.dim * 4 / 1e6
+    machine = bench_step.machine()
+    print('machine: %s' % machine)
     print('| variant | ms / step |')
     print('|---|---:|')
     for k, v in med.items():
@@ -101,7 +104,7 @@ def main(argv=None):
           '(at most) vs %.1f MB' % (acc_ratio, mb_sparse, mb_dense))
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump({'args': vars(args), 'median_ms': med, 'ratio_lazy': ratio,
+            json.dump({'machine': machine, 'args': vars(args), 'median_ms': med, 'ratio_lazy': ratio,
                        'ratio_accumulate': acc_ratio, 'rounds': rounds}, f, indent=1)
     return 0
 

@@ -221,6 +221,7 @@ def main(argv=None):
     results = run(args.dtypes, args.rounds, args.only)
     results['ratios'] = ratios(results)
     results['machine'] = machine()
+    print('machine: %s' % results['machine'])
     print('ResNet-50 v1: %d tensors, %d parameters' % (results['tensors'],
                                                        results['parameters']))
     print(table(results, results['ratios']))
@@ -229,10 +230,24 @@ def main(argv=None):
 
 
 def machine(**extra):
-    """What the numbers were measured on."""
-    return dict({'cpus': os.cpu_count(), 'python': platform.python_version(),
-                 'mxnet': mx.__version__, 'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS')},
-                **extra)
+    """What the numbers were measured on: CPU model and cores, Python, the MXNet build and
+    whether mx_lbsgd's native CPU operators are in use."""
+    features = mx.runtime.Features()
+    build = 'MXNet %s %s wheel' % (mx.__version__,
+                                  'CUDA' if features.is_enabled('CUDA') else 'CPU')
+    return dict({'cpu': cpu_model(), 'cpus': os.cpu_count(), 'python': platform.python_version(),
+                 'mxnet': mx.__version__, 'build': build,
+                 'native_operators': mx_lbsgd.native_library() is not None,
+                 'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS')}, **extra)
+
+
+def cpu_model():
+    try:
+        with open('/proc/cpuinfo') as f:
+            return next(line.split(':', 1)[1].strip() for line in f
+                        if line.startswith('model name'))
+    except (OSError, StopIteration):
+        return platform.processor() or 'unknown CPU'
 
 
 def save_json(path, results):
