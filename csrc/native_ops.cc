@@ -6,6 +6,10 @@
 //
 //   mx_lbsgd_sum_sq(a_0 .. a_{n-1})                        -> (n,) float32 sums of squares
 //       (total=1: a (1,) array holding their sum)
+//   mx_lbsgd_sgd_update(w.., g.. [, mom..] [, w32..] [, lr_vector]) -> (1,) float32 zero,
+//       updating w, mom (and w32) in place: MXNet's sgd_update / sgd_mom_update (and mp_*)
+//       arithmetic in one pass over every tensor; with lr_vector (LARS rates on the
+//       device) the preloaded_multi_sgd_* arithmetic
 //   mx_lbsgd_lamb_update(w.., g.., mean.., var.. [, w32..]) -> (n,) float32 trust ratios,
 //       updating w, mean, var (and the fp32 master copies w32) in place. Per tensor:
 //         pass 1: mean, var <- moments of g; |w|^2 and |d|^2 of d = m/(sqrt(v)+eps) + wd*w
@@ -156,6 +160,141 @@ HOT void lamb_pass2(const LambHyper& h, const LambTensor& p, const float* mean,
                     const float* var, float* w, int64_t n, float lr_adjusted) {
 #pragma omp simd
   for (int64_t k = 0; k < n; ++k) w[k] = w[k] - lr_adjusted * direction(h, p, mean[k], var[k], w[k]);
+}
+
+// ---- mx_lbsgd_sgd_update ----------------------------------------------------------------
+
+struct SgdHyper {
+  float momentum, rescale, clip;
+};
+
+// One block of n elements of one tensor, in MXNet's operation order (no FMA contraction):
+// sgd_mom_update / multi_sgd*:  mom = momentum*mom - lr*wd*w - lr*rescale*g;  w = w + mom
+// sgd_update (per tensor):      w = (1 - lr*wd)*w - (lr*rescale)*g
+template <bool Momentum, bool MultiForm, bool Clip>
+HOT void sgd_block(const SgdHyper& h, float lr, float wd, const float* g, float* mom, float* w,
+                   int64_t n) {
+  const float lr_wd = lr * wd, lr_rescale = lr * h.rescale, keep = 1.f - lr * wd;
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) {
+    float step = 0.f;
+    if (Clip) step = lr * std::max(-h.clip, std::min(h.clip, h.rescale * g[k]));
+    else step = lr_rescale * g[k];
+    if (Momentum || MultiForm) {
+      const float m = (Momentum ? h.momentum * mom[k] : 0.f) - lr_wd * w[k] - step;
+      if (Momentum) mom[k] = m;
+      w[k] = w[k] + m;
+    } else {
+      w[k] = keep * w[k] - step;
+    }
+  }
+}
+
+using SgdBlock = void (*)(const SgdHyper&, float, float, const float*, float*, float*, int64_t);
+
+template <bool Momentum, bool MultiForm>
+SgdBlock pick_sgd_block(bool clip) {
+  return clip ? sgd_block<Momentum, MultiForm, true> : sgd_block<Momentum, MultiForm, false>;
+}
+
+struct SgdLayout {           // where each kind of array starts among the inputs
+  size_t n;
+  bool momentum, mp, preloaded;
+  size_t grads() const { return n; }
+  size_t moms() const { return 2 * n; }
+  size_t masters() const { return (momentum ? 3 : 2) * n; }
+  size_t lr_vector() const { return (momentum ? 3 : 2) * n + (mp ? n : 0); }
+  size_t total() const { return lr_vector() + (preloaded ? 1 : 0); }
+};
+
+SgdLayout sgd_layout(const Attrs& attrs) {
+  SgdLayout l;
+  l.n = std::stoul(attrs.at("num_tensors"));
+  l.momentum = std::stoi(attrs.at("has_momentum")) != 0;
+  l.mp = std::stoi(attrs.at("multi_precision")) != 0;
+  l.preloaded = std::stoi(attrs.at("preloaded")) != 0;
+  return l;
+}
+
+MXReturnValue sgd_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = static_cast<int>(sgd_layout(attrs).total());
+  *num_out = 1;
+  return sgd_layout(attrs).n > 0 ? MX_SUCCESS : MX_FAIL;
+}
+
+MXReturnValue sgd_type(const Attrs& attrs, std::vector<int>* in, std::vector<int>* out) {
+  const SgdLayout l = sgd_layout(attrs);
+  for (size_t j = 0; j < in->size(); ++j) {
+    const bool half = l.mp && j < l.moms();            // float16 weights and gradients
+    const int want = half ? mxnet::ext::kFloat16 : mxnet::ext::kFloat32;
+    if ((*in)[j] != want) {
+      MX_ERROR_MSG << "mx_lbsgd_sgd_update: array " << j << " must be "
+                   << (half ? "float16" : "float32");
+      return MX_FAIL;
+    }
+  }
+  (*out)[0] = mxnet::ext::kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue sgd_shape(const Attrs& attrs, std::vector<std::vector<unsigned>>* in,
+                        std::vector<std::vector<unsigned>>* out) {
+  const SgdLayout l = sgd_layout(attrs);
+  for (size_t j = l.n; j < l.lr_vector(); ++j)
+    if ((*in)[j] != (*in)[j % l.n]) {
+      MX_ERROR_MSG << "mx_lbsgd_sgd_update: array " << j << " differs in shape from weight "
+                   << j % l.n;
+      return MX_FAIL;
+    }
+  (*out)[0] = {1u};
+  return MX_SUCCESS;
+}
+
+MXReturnValue sgd_mutate(const Attrs& attrs, std::vector<int>* indices) {
+  const SgdLayout l = sgd_layout(attrs);
+  for (size_t j = 0; j < l.lr_vector(); ++j)
+    if (j < l.grads() || j >= l.moms()) indices->push_back(static_cast<int>(j));
+  return MX_SUCCESS;
+}
+
+MXReturnValue sgd_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                          std::vector<MXTensor>* out, const OpResource&) {
+  const SgdLayout l = sgd_layout(attrs);
+  const size_t n = l.n;
+  std::vector<double> lrs, wds;
+  if (!parse_list(attrs, "lrs", n, &lrs) || !parse_list(attrs, "wds", n, &wds)) return MX_FAIL;
+  SgdHyper h;
+  h.momentum = std::stof(attrs.at("momentum"));
+  h.rescale = std::stof(attrs.at("rescale_grad"));
+  h.clip = std::stof(attrs.at("clip_gradient"));
+  const float* lr_vector = l.preloaded ? (*in)[l.lr_vector()].data<float>() : nullptr;
+  // the preloaded (LARS) kernels and momentum use the multi_sgd form; plain per-tensor
+  // sgd_update its own
+  const SgdBlock block = l.momentum ? pick_sgd_block<true, true>(h.clip >= 0.f)
+      : l.preloaded ? pick_sgd_block<false, true>(h.clip >= 0.f)
+                    : pick_sgd_block<false, false>(h.clip >= 0.f);
+  std::vector<int64_t> sizes(n);
+  for (size_t i = 0; i < n; ++i) sizes[i] = (*in)[i].size();
+  const Split split(sizes);
+  const int nt = split.threads();
+#pragma omp parallel num_threads(nt)
+  {
+    float buffer[kBlock];
+    split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+      float* w = (l.mp ? (*in)[l.masters() + i] : (*in)[i]).data<float>() + a;
+      float* mom = l.momentum ? (*in)[l.moms() + i].data<float>() + a : nullptr;
+      const float* g = (*in)[l.grads() + i].data<float>() + a;
+      if (l.mp) {
+        widen((*in)[l.grads() + i].data<_Float16>() + a, buffer, b - a);
+        g = buffer;
+      }
+      const float lr = lr_vector ? lr_vector[i] : static_cast<float>(lrs[i]);
+      block(h, lr, static_cast<float>(wds[i]), g, mom, w, b - a);
+      if (l.mp) narrow(w, (*in)[i].data<_Float16>() + a, b - a);
+    });
+  }
+  (*out)[0].data<float>()[0] = 0.f;
+  return MX_SUCCESS;
 }
 
 // ---- mx_lbsgd_sum_sq -------------------------------------------------------------------
@@ -355,6 +494,13 @@ REGISTER_OP(mx_lbsgd_sum_sq)
     .setInferType(sum_sq_type)
     .setInferShape(sum_sq_shape)
     .setForward(sum_sq_forward, "cpu");
+
+REGISTER_OP(mx_lbsgd_sgd_update)
+    .setParseAttrs(sgd_parse)
+    .setInferType(sgd_type)
+    .setInferShape(sgd_shape)
+    .setMutateInputs(sgd_mutate)
+    .setForward(sgd_forward, "cpu");
 
 REGISTER_OP(mx_lbsgd_lamb_update)
     .setParseAttrs(lamb_parse)

@@ -1,7 +1,11 @@
-"""The SGD kernel family: MXNet SGD's update and state layout, on three kernel paths.
+"""The SGD kernel family: MXNet SGD's update and state layout, on four kernel paths.
 
-`_single_tensor_sgd` and `_multi_tensor_sgd` share one keyword-only signature (as torch's
-``optim/sgd.py`` kernels do); `_sparse_sgd` runs tensors with non-default storage one by one.
+`_native_sgd` (the package's compiled ``mx_lbsgd_sgd_update``: every tensor in one call
+and one pass, on CPU, for float32 weights or float16 with master copies, when built),
+`_single_tensor_sgd` and `_multi_tensor_sgd` (MXNet's operators) share one keyword-only
+signature (as torch's ``optim/sgd.py`` kernels do); `_sparse_sgd` runs tensors with
+non-default storage one by one. The native kernel's results are MXNet's operators' bit for
+bit (``tests/test_native.py``).
 Per tensor, with ``lr`` either a float or an entry of a device vector (LARS)::
 
     mom = momentum * mom - lr * (clip(rescale_grad * g, clip_gradient) + wd * w)
@@ -15,7 +19,7 @@ ratio and loss-scale gate do not depend on it.
 import numpy as np
 from mxnet import nd
 
-from . import _kernels
+from . import _kernels, _native
 
 
 class SGDFamily:
@@ -50,9 +54,14 @@ class SGDFamily:
         return 'momentum=%g' % self.momentum
 
     @staticmethod
-    def native_kernel(device_type, dtype, with_master):  # noqa: ARG004
-        """None: SGD's update is already at MXNet's memory bandwidth on CPU."""
-        return None
+    def native_kernel(device_type, dtype, with_master):
+        """`_native_sgd` for float32 weights, or float16 with fp32 master copies, on CPU
+        when the native library is built; None otherwise (MXNet's operators run)."""
+        name = np.dtype(dtype).name
+        supported = name == 'float32' and not with_master or name == 'float16' and with_master
+        if device_type != 'cpu' or not supported or _native.ops() is None:
+            return None
+        return _native_sgd
 
     def run(self, kernel, *, states, steps, ratio_applies, **common):  # noqa: ARG002
         """Run `kernel` (LARS reaches it as `lr_vector`; SGD has no step count)."""
@@ -100,6 +109,32 @@ def _single_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, mo
                 **kwargs)
         if w32 is not None and not native:
             nd.Cast(w32, dtype=w.dtype, out=w)
+
+
+def _native_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
+                rescale_grad, clip_gradient, scratch):  # pylint: disable=unused-argument
+    """Every tensor in one call of the native ``mx_lbsgd_sgd_update``: one pass over
+    memory, MXNet's arithmetic (``sgd_mom_update``, ``sgd_update``, and with LARS rates
+    ``preloaded_multi_sgd_*``), float16 gradients widened on the fly."""
+    mp = masters[0] is not None
+    if mp and any(g.dtype != w.dtype for g, w in zip(grads, weights)):
+        # float32 gradients of float16 weights: the MXNet path casts them without loss
+        return _single_tensor_sgd(weights=weights, grads=grads, moms=moms, masters=masters,
+                                  lrs=lrs, wds=wds, lr_vector=lr_vector, momentum=momentum,
+                                  rescale_grad=rescale_grad, clip_gradient=clip_gradient,
+                                  scratch=scratch)
+    with_mom = moms[0] is not None
+    arrays = list(weights) + list(grads) + (list(moms) if with_mom else []) + \
+        (list(masters) if mp else []) + ([lr_vector] if lr_vector is not None else [])
+    _native.ops().sgd_update(
+        *arrays, num_tensors=len(weights), has_momentum=int(with_mom),
+        momentum=momentum if with_mom else 0.0, multi_precision=int(mp),
+        preloaded=int(lr_vector is not None), lrs=_floats(lrs), wds=_floats(wds),
+        rescale_grad=rescale_grad, clip_gradient=clip_gradient if clip_gradient else -1.0)
+
+
+def _floats(values):
+    return ','.join(repr(float(v)) for v in values)
 
 
 def _preloaded(mp, with_mom):

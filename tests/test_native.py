@@ -168,3 +168,77 @@ def test_loads_after_horovods_mxnet_binding():
     code = 'import horovod.mxnet, mx_lbsgd; print(mx_lbsgd.native_library() is not None)'
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ['True'], out.stderr[-2000:]
+
+
+def _mxnet_sgd(preloaded, mp, momentum, w, g, m, w32, lr, wd, kwargs):
+    """MXNet's own operator for one tensor, updating w (and m, w32) in place."""
+    if preloaded:
+        name = 'preloaded_multi_%ssgd_%supdate' % ('mp_' if mp else '', 'mom_' if momentum else '')
+        tensors = [w, g] + ([m] if momentum else []) + ([w32] if mp else [])
+        getattr(nd, name)(*tensors, nd.array([lr]), nd.array([wd]), out=[w], num_weights=1,
+                          **kwargs)
+        return
+    name = '%ssgd_%supdate' % ('mp_' if mp else '', 'mom_' if momentum else '')
+    tensors = [w, g] + ([m] if momentum else []) + ([w32] if mp else [])
+    getattr(nd, name)(*tensors, out=w, lr=lr, wd=wd, **kwargs)
+
+
+@needs_native
+@pytest.mark.parametrize('preloaded', [pytest.param(False, id='lrs'),
+                                       pytest.param(True, id='lr-vector')])
+@pytest.mark.parametrize('mp', [pytest.param(False, id='fp32'), pytest.param(True, id='fp16mp')])
+@pytest.mark.parametrize('momentum', [pytest.param(0.0, id='nomom'), pytest.param(0.9, id='mom')])
+@pytest.mark.parametrize('clip', [pytest.param(None, id='noclip'), pytest.param(0.3, id='clip')])
+def test_sgd_update_is_mxnets_arithmetic_bit_for_bit(preloaded, mp, momentum, clip):
+    dtype = 'float16' if mp else 'float32'
+    w0, g0 = _arrays(dtype, 5), _arrays(dtype, 6)
+    m0 = _arrays('float32', 7, low=-0.1)
+    lrs, wds = [0.1, 0.05, 0.2, 0.01, 0.3, 0.07], [1e-4, 0.0, 1e-3, 0.1, 5e-4, 0.02]
+    kwargs = dict(rescale_grad=0.37, clip_gradient=clip or -1.0)
+    if momentum:
+        kwargs['momentum'] = momentum
+    ours = dict(w=[nd.array(w, dtype=dtype) for w in w0], g=[nd.array(g, dtype=dtype) for g in g0],
+                m=[nd.array(m) for m in m0], w32=[nd.array(w.astype(np.float32)) for w in w0])
+    arrays = ours['w'] + ours['g'] + (ours['m'] if momentum else []) + (ours['w32'] if mp else [])
+    if preloaded:
+        arrays.append(nd.array(lrs))
+    OPS.sgd_update(*arrays, num_tensors=len(w0), has_momentum=int(bool(momentum)),
+                   momentum=momentum, multi_precision=int(mp), preloaded=int(preloaded),
+                   lrs=','.join(map(repr, lrs)), wds=','.join(map(repr, wds)),
+                   rescale_grad=0.37, clip_gradient=clip or -1.0)
+    for i in range(len(w0)):
+        w, g = nd.array(w0[i], dtype=dtype), nd.array(g0[i], dtype=dtype)
+        m, w32 = nd.array(m0[i]), nd.array(w0[i].astype(np.float32))
+        _mxnet_sgd(preloaded, mp, momentum, w, g, m, w32, lrs[i], wds[i], kwargs)
+        np.testing.assert_array_equal(ours['w'][i].asnumpy(), w.asnumpy())
+        if momentum:
+            np.testing.assert_array_equal(ours['m'][i].asnumpy(), m.asnumpy())
+        if mp:
+            np.testing.assert_array_equal(ours['w32'][i].asnumpy(), w32.asnumpy())
+        assert not np.array_equal(w.asnumpy(), w0[i])
+
+
+@needs_native
+@pytest.mark.parametrize('args, launches', [
+    pytest.param(dict(momentum=0.9), 1, id='linear-one-launch'),
+    # two sums of squares, the rates (multi_lars and its inputs), then one update
+    pytest.param(dict(momentum=0.9, lars=True), None, id='lars'),
+])
+def test_routed_lbsgd_is_one_native_update_and_no_host_sync(args, launches):
+    rng = np.random.RandomState(0)
+    shapes = [(300, 200), (200,), (5000,), (10, 10)]
+    weights = [nd.array(rng.uniform(-1, 1, s)) for s in shapes]
+    opt = mx_lbsgd.LBSGD(learning_rate=0.1, wd=1e-4, **args)
+    opt.idx2name = {i: 'l%d_weight' % i for i in range(len(shapes))}
+    updater = mx.optimizer.get_updater(opt)
+    counts = []
+    for step in range(3):
+        grads = [nd.array(rng.uniform(-1, 1, s)) for s in shapes]
+        with count_kernel_launches() as calls, count_host_syncs(include_waitall=False) as read:
+            updater(list(range(len(shapes))), grads, weights)
+        assert not read
+        counts.append(len(calls))
+    if launches is not None:
+        assert counts[1:] == [launches, launches]
+    else:
+        assert counts[1] == counts[2] < len(shapes) + 6
