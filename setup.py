@@ -1,7 +1,11 @@
 import importlib.util
 import os
+import shutil
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The library itself needs only MXNet and NumPy: mxnet 1.9.1 needs numpy < 1.24 (it uses
 # np.bool).
@@ -38,12 +42,32 @@ def native_extensions():
         extra_link_args=['-fopenmp', '-s', '-Wl,-Bsymbolic'])]
 
 
+class BuildExtIntoTheCheckoutToo(build_ext):
+    """Build the extensions, then also copy them next to the checkout's package sources:
+    ``python -m pytest tests`` from the repository root imports the checkout, not the
+    installed copy, and its tests must find the library that ``pip install .`` built. The
+    copy replaces the file atomically (a loaded library keeps its old inode)."""
+
+    def run(self):
+        super().run()
+        if self.inplace:
+            return
+        for ext in self.extensions:
+            built = self.get_ext_fullpath(ext.name)
+            folder = os.path.join(HERE, *ext.name.split('.')[:-1])
+            if os.path.exists(built) and os.access(folder, os.W_OK):
+                target = os.path.join(folder, os.path.basename(built))
+                shutil.copyfile(built, target + '.tmp')
+                os.replace(target + '.tmp', target)
+
+
 setup(
     name='mx_lbsgd',
     version='0.1.0',
     description='Fast, correct large-batch and mixed-precision SGD for Apache MXNet 1.9.1',
     packages=find_packages(include=['mx_lbsgd', 'mx_lbsgd.*']),
     ext_modules=native_extensions(),
+    cmdclass={'build_ext': BuildExtIntoTheCheckoutToo},
     python_requires='>=3.8',
     install_requires=INSTALL_REQUIRES,
     extras_require={
