@@ -63,11 +63,11 @@ class TrainerBinding:
         self._closes = None
         if opt is None:
             return original()
+        for observer in list(self.observers):
+            observer.before_reduction(trainer, opt)
         if _compat.trainer_updates_on_kvstore(trainer):
             opt.refuse_updates_on_kvstore()
             return original()
-        for observer in self.observers:
-            observer.before_reduction(trainer, opt)
         if not (self.window_at_reduction and opt.accumulates_at_trainer()) or self._sparse:
             # sparse gradients: MXNet's Trainer pushes and pulls them separately, row by
             # row; they are accumulated after that reduction, by the optimizer

@@ -260,6 +260,9 @@ def trainer_worker_count(trainer, default):
         return hvd.size()
     if trainer._kv_initialized and trainer._kvstore is not None:
         return trainer._kvstore.num_workers
+    given = trainer._kvstore_params.get('kvstore')
+    if isinstance(given, mx.kvstore.KVStore):
+        return given.num_workers
     kind = trainer_kvstore_type(trainer)
     return default if kind and kind.startswith('dist') else 1
 

@@ -148,3 +148,18 @@ def test_other_optimizers_are_refused():
     trainer = gluon.Trainer(mlp().collect_params(), 'sgd', dict(learning_rate=0.1))
     with pytest.raises(TypeError, match="'lbsgd', 'lssgd', 'lblamb'"):
         mx_lbsgd.GradientNoiseScale(trainer)
+
+
+def test_update_on_kvstore_is_refused():
+    trainer = gluon.Trainer(mlp().collect_params(), 'lbsgd', dict(learning_rate=0.1),
+                            kvstore='device', update_on_kvstore=True)
+    with pytest.raises(ValueError, match='update_on_kvstore=True'):
+        mx_lbsgd.GradientNoiseScale(trainer)
+
+
+@pytest.mark.parametrize('value', [0, 1.5, True])
+def test_bad_small_every_is_refused(value):
+    trainer = gluon.Trainer(mlp().collect_params(), 'lbsgd',
+                            dict(learning_rate=0.1, batch_scale=2))
+    with pytest.raises(ValueError, match='small_every must be None or an int >= 1'):
+        mx_lbsgd.GradientNoiseScale(trainer, small_every=value)

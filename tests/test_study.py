@@ -1,74 +1,130 @@
-"""mx-lbsgd study (mx_lbsgd.demo.study): the tiny configuration runs end to end and writes
-its outputs; benchmarks/study.py wraps it."""
+"""mx-lbsgd study (mx_lbsgd.demo.study): steps to target against batch size, McCandlish's
+fit (study_fit), the lr search, the outputs, the argument errors; benchmarks/study.py."""
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
+from mx_lbsgd.demo import study
 from mx_lbsgd.demo.cli import main
+from mx_lbsgd.demo.study_fit import fit_tradeoff, predicted_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ['sgd', 'sgd-warmup', 'lbsgd-linear', 'lbsgd-sqrt', 'lbsgd-power2', 'lbsgd-lars',
-           'fp16-scaled', 'fp16-unscaled']
+
+TINY_RUNS = [
+    pytest.param([], ['sgd', 'lbsgd-linear', 'lbsgd-lars', 'fp16-scaled'], [16, 64, 256],
+                 id='all-methods'),
+    pytest.param(['--methods', 'sgd', '--batch-sizes', '32', '64'], ['sgd'], [32, 64],
+                 id='two-batches-no-fit'),
+]
 
 
-def test_study_tiny_writes_table_json_and_plot(tmp_path, capsys):
-    assert main(['study', '--tiny', '--quiet', '--out', str(tmp_path)]) == 0
+@pytest.mark.parametrize('argv, methods, batches', TINY_RUNS)
+def test_tiny_study_writes_consistent_json_table_and_picture(argv, methods, batches,
+                                                              tmp_path, capsys):
+    assert main(['study', '--tiny', '--quiet', '--out', str(tmp_path)] + argv) == 0
     printed = capsys.readouterr().out
-    assert '| method | batch 64 | batch 128 |' in printed
-    assert 'Largest batch whose mean test accuracy is within 1 point' in printed
+    assert '| method | %s |' % ' | '.join(map(str, batches)) in printed
     data = json.loads((tmp_path / 'study.json').read_text())
-    settings = data['settings']
-    assert settings['batch_sizes'] == [64, 128] and settings['dataset'] == 'digits'
-    assert settings['epochs'] == 2 and settings['seeds'] == 1
-    assert settings['grid'] == [0.05, 0.1] and settings['lars_grid'] == [1.0, 2.0]
-    assert {(r['method'], r['batch']) for r in data['summary']} == {
-        (m, b) for m in METHODS for b in (64, 128)}
-    assert set(data['largest_batch']) == set(METHODS)
-    # at batch 64 the five fp32 non-LARS methods are one training, trained once
-    assert data['distinct_trainings'] == 2 * (4 + 8)
-    for run in data['grid_runs'] + data['runs']:
-        cfg = run['config']
-        assert 0.0 <= run['final_test_acc'] <= 1.0 and len(run['test_acc']) == 2
-        assert 0.0 <= run['final_val_acc'] <= 1.0 and len(run['val_acc']) == 2
-        assert cfg['val_fraction'] == 0.15 and cfg['lr_decay'] == 'cosine'
-        assert cfg['batch_size'] * cfg['batch_scale'] == run['batch']
-        lb = cfg['optimizer'] == 'lbsgd'
-        assert cfg['batch_size'] == (64 if lb else run['batch'])
-        if run['method'].startswith('fp16'):
-            assert 0.0 <= run['underflow_fraction'] <= 1.0 and cfg['dtype'] == 'float16'
-    runs = {(r['method'], r['batch']): r for r in data['runs']}
-    # the linear scaling rule: sgd at 128 trains with 2 g; lbsgd warms g up to 2 g
-    g = runs[('sgd', 128)]['g']
-    assert runs[('sgd', 128)]['config']['lr'] == pytest.approx(2 * g)
-    assert runs[('sgd-warmup', 128)]['config']['warmup_from'] == runs[('sgd-warmup', 128)]['g']
-    assert runs[('lbsgd-linear', 128)]['config']['lr'] == runs[('lbsgd-linear', 128)]['g']
-    assert runs[('lbsgd-lars', 128)]['config']['lr'] == pytest.approx(
-        runs[('lbsgd-lars', 128)]['g'] * 2 ** 0.5)
-    # the lr is the grid value with the best validation accuracy (seed 0)
-    for key, run in runs.items():
-        grid = [r for r in data['grid_runs'] if (r['method'], r['batch']) == key]
-        assert len(grid) == 2
-        assert run['final_val_acc'] == max(r['final_val_acc'] for r in grid)
-    # at batch 64 every fp32 non-LARS method is the same run as sgd
-    assert runs[('lbsgd-sqrt', 64)]['final_test_acc'] == runs[('sgd', 64)]['final_test_acc']
-    reference = data['reference_acc']
-    assert reference == runs[('sgd', 64)]['final_test_acc']
-    for method, batch in data['largest_batch'].items():
-        if batch is not None:
-            assert runs[(method, batch)]['final_test_acc'] >= reference - 0.01
+    assert data['batch_sizes'] == batches and list(data['methods']) == methods
+    for name, m in data['methods'].items():
+        steps = m['steps_to_target']
+        assert len(steps) == len(m['lr']) == len(m['b_simple']) == len(batches)
+        for s, e, b, cap in zip(steps, m['examples_to_target'], batches,
+                                m['grids']):
+            assert (s is None and e is None) or (0 < s <= 120 and e == s * b)
+            assert s is None or s == min(r[1] for r in cap if r[1] is not None)
+        if m['fit'] is None:
+            assert m['b_crit'] is None
+        else:
+            assert 0 < m['b_crit'] < math.inf
+            assert m['e_min'] == pytest.approx(m['s_min'] * m['b_crit'])
+        assert all(v is None or v > 0 for v in m['b_simple'])
+        assert name in data['b_simple'] and '| %s |' % name in printed
+    assert data['b_simple']['summary'] > 0
+    if len(batches) < 3:
+        assert all(m['b_crit'] is None for m in data['methods'].values())
+    else:
+        # the small batches are in the (near) perfect-scaling regime on this data: 16 x
+        # the batch must need fewer steps for every method that reached the target
+        for m in data['methods'].values():
+            first, last = m['steps_to_target'][0], m['steps_to_target'][-1]
+            assert first is None or last is None or last < first
     assert (tmp_path / 'study.png').read_bytes()[:4] == b'\x89PNG'
-    assert (tmp_path / 'study.md').read_text().startswith('Final test accuracy')
+    assert (tmp_path / 'study.md').read_text().startswith('Steps to 0.80 validation')
 
 
-@pytest.mark.parametrize('argv, words', [(['--batch-sizes', '96'], 'multiple of 64'),
-                                         (['--batch-sizes', '20480'], '<= 10314'),
-                                         (['--grid', '0'], '--grid'),
-                                         (['--seeds', '0'], '--seeds'),
-                                         (['--methods', 'adam'], 'adam')])
-def test_study_bad_arguments_exit_2_with_one_line(argv, words, tmp_path, capsys):
+FITS = [
+    pytest.param([16, 32, 64, 128, 256, 512, 1024], 100.0, 150.0, id='mid'),
+    pytest.param([16, 32, 64, 128, 256, 512, 1024], 40.0, 1000.0, id='large-bcrit'),
+    pytest.param([8, 64, 512], 3000.0, 20.0, id='three-points-small-bcrit'),
+]
+
+
+@pytest.mark.parametrize('batches, s_min, b_crit', FITS)
+def test_fit_recovers_s_min_and_e_min_from_the_formula(batches, s_min, b_crit):
+    steps = predicted_steps(batches, s_min, b_crit)
+    e_min = s_min * b_crit
+    # the data obey (S / S_min - 1)(E / E_min - 1) = 1 exactly
+    for b, s in zip(batches, steps):
+        assert (s / s_min - 1) * (s * b / e_min - 1) == pytest.approx(1.0)
+    fit = fit_tradeoff(batches, steps)
+    assert fit['s_min'] == pytest.approx(s_min, rel=1e-6)
+    assert fit['e_min'] == pytest.approx(e_min, rel=1e-6)
+    assert fit['b_crit'] == pytest.approx(b_crit, rel=1e-6)
+    assert fit['rms_log_residual'] < 1e-6 and fit['points'] == len(batches)
+
+
+@pytest.mark.parametrize('batches, steps', [
+    pytest.param([16, 64], [400, 100], id='two-points'),
+    pytest.param([16, 64, 256, 1024], [None, 100, None, 30], id='two-reached'),
+    pytest.param([16, 64, 256, 1024], [6400, 1600, 400, 100], id='perfect-scaling'),
+    pytest.param([16, 64, 256, 1024], [100, 100, 100, 100], id='no-scaling'),
+])
+def test_fit_is_none_when_the_data_cannot_pin_b_crit(batches, steps):
+    assert fit_tradeoff(batches, steps) is None
+
+
+def test_lr_search_extends_past_the_edge_and_caps_runs_at_the_fewest_steps(monkeypatch):
+    """Fake training whose steps are least at lr = 0.1 * B / 16: the search starts at
+    0.025 at B = 16, extends upwards twice, then recentres on twice the choice."""
+    calls = []
+
+    def fake(spec):
+        calls.append(spec)
+        best = 0.1 * spec['batch'] / 16
+        steps = round(1000 * 16 / spec['batch'] * (1 + math.log2(spec['lr'] / best) ** 2))
+        reached = steps <= spec['cap']
+        return dict(steps=steps if reached else None, last_step=min(steps, spec['cap']),
+                    b_simple=50.0, b_simple_at_target=60.0, skipped=0, wall_time_s=0.0,
+                    curve=[(min(steps, spec['cap']), 0.9 if reached else 0.5)])
+
+    monkeypatch.setattr(study, 'train_to_target', fake)
+    settings = dict(lr=0.025, lars_lr=1.0, grid_points=3, grid_extend=2, max_steps=5000,
+                    max_epochs=1000, train_samples=1000,
+                    seed=0, target=0.9, micro_batch=64, warmup_updates=0, dataset='digits')
+    cells = study.tune_method('sgd', [16, 32], settings)
+    first = [c['lr'] for c in calls if c['batch'] == 16]
+    assert first == [0.025, 0.0125, 0.05, 0.1, 0.2]
+    assert [c['cap'] for c in calls if c['batch'] == 16] == [5000, 5000, 5000, 2000, 1000]
+    assert cells[0]['lr'] == pytest.approx(0.1) and cells[0]['steps'] == 1000
+    assert [c['lr'] for c in calls if c['batch'] == 32] == [0.2, 0.1, 0.4]
+    assert cells[1]['lr'] == pytest.approx(0.2) and cells[1]['steps'] == 500
+
+
+@pytest.mark.parametrize('argv, words', [
+    pytest.param(['--batch-sizes', '1000'], '--batch-sizes', id='not-a-multiple'),
+    pytest.param(['--batch-sizes', '20480'], '<= 10314', id='too-large'),
+    pytest.param(['--target', '1.5'], '--target', id='target'),
+    pytest.param(['--micro-batch', '0'], '--micro-batch', id='micro-batch'),
+    pytest.param(['--max-steps', '0'], '--max-steps', id='max-steps'),
+    pytest.param(['--lr', '0'], '--lr', id='lr'),
+    pytest.param(['--methods', 'adam'], 'adam', id='method'),
+])
+def test_bad_arguments_exit_2_naming_the_option(argv, words, tmp_path, capsys):
     assert main(['study', '--out', str(tmp_path)] + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith('mx-lbsgd study: error: ') and words in err
@@ -78,33 +134,17 @@ def test_study_bad_arguments_exit_2_with_one_line(argv, words, tmp_path, capsys)
 
 def test_study_script_runs_directly_in_two_processes(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'study.py'),
-                           '--tiny', '--methods', 'sgd', 'lbsgd-sqrt', '--batch-sizes', '128',
-                           '--jobs', '2', '--quiet', '--out', str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+                           '--tiny', '--methods', 'sgd', 'lbsgd-linear', '--batch-sizes',
+                           '64', '--jobs', '2', '--quiet', '--out', str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert '| sgd |' in proc.stdout and '| lbsgd-sqrt |' in proc.stdout
+    assert '| sgd |' in proc.stdout and '| lbsgd-linear |' in proc.stdout
     data = json.loads((tmp_path / 'study.json').read_text())
-    assert data['settings']['batch_sizes'] == [128] and data['settings']['jobs'] == 2
-    assert [r['method'] for r in data['runs']] == ['sgd', 'lbsgd-sqrt']    # in order
-
-
-def test_study_extends_the_grid_past_its_best_end(tmp_path):
-    # a 2-value grid always has its best at an end: one extension each way at most
-    assert main(['study', '--tiny', '--quiet', '--methods', 'sgd', '--batch-sizes', '128',
-                 '--grid-extend', '1', '--out', str(tmp_path)]) == 0
-    data = json.loads((tmp_path / 'study.json').read_text())
-    tried = sorted(r['g'] for r in data['grid_runs'])
-    assert len(tried) == 3 and tried in ([0.025, 0.05, 0.1], [0.05, 0.1, 0.2])
-    best = max(data['grid_runs'], key=lambda r: r['final_val_acc'])
-    assert data['runs'][0]['g'] == best['g']
-    assert data['summary'][0]['grid_val_acc'] == [[r['g'], r['final_val_acc']] for r in
-                                                  sorted(data['grid_runs'],
-                                                         key=lambda r: r['g'])]
+    assert data['settings']['jobs'] == 2 and list(data['methods']) == ['sgd', 'lbsgd-linear']
 
 
 def test_pool_workers_exit_when_the_study_is_killed():
-    """run_many's spawned workers watch their parent: a SIGKILLed study leaves none behind
-    (before, its workers trained on, reparented)."""
+    """run_many's spawned workers watch their parent: a SIGKILLed study leaves none behind."""
     import time
     code = (
         'import multiprocessing, os, signal, time\n'
@@ -117,9 +157,8 @@ def test_pool_workers_exit_when_the_study_is_killed():
         '    print(pool.submit(os.getpid).result(), flush=True)\n'
         '    pool.submit(time.sleep, 120)\n'
         '    os.kill(os.getpid(), signal.SIGKILL)\n')
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True,
-                          timeout=120, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+                          timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == -9
     worker = int(proc.stdout.split()[0])
     deadline = time.monotonic() + 10

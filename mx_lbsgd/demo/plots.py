@@ -3,7 +3,8 @@
 when a figure is drawn."""
 import numpy as np
 
-__all__ = ['describe', 'plot_training', 'plot_schedule', 'plot_study']
+__all__ = ['TRAINING_PANELS', 'NOISE_SCALE_PANEL', 'describe', 'plot_training',
+           'plot_schedule', 'plot_study']
 
 
 def _pyplot():
@@ -35,15 +36,32 @@ def _per_epoch(result):
     return [r['step'] / n for r in result['steps']]
 
 
+#: What each panel of training.png shows (plot_training returns those it drew).
+TRAINING_PANELS = ('test accuracy per epoch', 'learning rate per step',
+                   'loss scale per step (skipped steps: red x)', 'train loss per epoch')
+NOISE_SCALE_PANEL = ('gradient noise scale B_simple per epoch (log scale; the effective '
+                     'batch as a horizontal line)')
+
+
 def plot_training(result, path, baseline=None):
     """One PNG with four panels: test accuracy, learning rate, loss scale, train loss;
-    with `baseline`, both runs in the accuracy, learning rate and loss panels."""
+    with `baseline`, both runs in the accuracy, learning rate and loss panels; a fifth,
+    B_simple per epoch, when the main run had a noise scale monitor. Returns what the
+    panels show (TRAINING_PANELS, then NOISE_SCALE_PANEL if drawn)."""
     plt = _pyplot()
     runs = [(result, 'main: ' + describe(result), 'C0')]
     if baseline is not None:
         runs.append((baseline, 'baseline: ' + describe(baseline), 'C1'))
     cfg = result['config']
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    panels = list(TRAINING_PANELS)
+    if result.get('noise_scale_interval') is None:
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    else:
+        fig = plt.figure(figsize=(15.5, 7.5))
+        grid = fig.add_gridspec(2, 3)
+        axes = np.array([[fig.add_subplot(grid[r, c]) for c in range(2)] for r in range(2)])
+        _plot_noise_scale(fig.add_subplot(grid[:, 2]), result)
+        panels.append(NOISE_SCALE_PANEL)
     ax = axes[0, 0]
     for res, label, color in runs:
         e = [r['epoch'] for r in res['epochs']]
@@ -97,6 +115,30 @@ def plot_training(result, path, baseline=None):
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+    return panels
+
+
+def _plot_noise_scale(ax, result):
+    """B_simple per epoch (positive estimates; log2 y) against the effective batch and the
+    micro-batch."""
+    points = [(r['epoch'], r['b_simple']) for r in result['epochs']
+              if r.get('b_simple') is not None and r['b_simple'] > 0]
+    if points:
+        ax.plot(*zip(*points), 'o-', ms=3, color='C0', label='B_simple (main, smoothed)')
+    else:
+        ax.text(0.5, 0.5, 'no positive estimate', transform=ax.transAxes, ha='center')
+    ax.axhline(result['effective_batch_size'], color='gray', ls='--',
+               label='effective batch %d' % result['effective_batch_size'])
+    ax.axhline(result['batch_size'], color='gray', ls=':',
+               label='micro-batch %d' % result['batch_size'])
+    from matplotlib.ticker import ScalarFormatter
+    ax.set_yscale('log', base=2)
+    ax.yaxis.set_major_formatter(ScalarFormatter())     # batch sizes, not 2^k
+    last = result.get('final_b_simple')
+    ax.set(title='gradient noise scale B_simple = tr(\u03a3)/|G|\u00b2'
+                 + (', last %.0f' % last if last else ''),
+           xlabel='epoch', xlim=(0, len(result['epochs']) + 1))
+    ax.legend(loc='best', fontsize=8)
 
 
 def plot_schedule(header, rows, warmup_steps, batch_scale, path):

@@ -1,122 +1,101 @@
-"""The study's report: per (method, batch) aggregates over seeds, the largest batch within
-tolerance of the small-batch reference, and the markdown tables ``mx-lbsgd study`` prints."""
+"""The study's results: per method the tuned cells, McCandlish's fit and B_simple
+(:func:`summarize`, what study.json holds), and the markdown tables it prints
+(:func:`tables`)."""
 import math
 
-import numpy as np
+from .study_fit import fit_tradeoff
 
-__all__ = ['aggregate', 'largest_batch', 'tables']
+__all__ = ['summarize', 'tables']
 
 
-def _mean_std(values):
-    values = [v for v in values if v is not None and not math.isnan(v)]
+def _median(values):
+    values = sorted(v for v in values if v is not None and math.isfinite(v))
     if not values:
-        return None, None
-    return float(np.mean(values)), float(np.std(values))
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2.0
 
 
-def aggregate(runs, grid_runs, lr_for):
-    """Per (method, batch): the chosen g (and its lr, `lr_for(method, batch, g)`), mean/std
-    of final test accuracy, epochs to target."""
-    cells = {}
-    for r in runs:
-        cells.setdefault((r['method'], r['batch']), []).append(r)
-    out = []
-    for (method, batch), group in cells.items():
-        reach = [r['epochs_to_target'] for r in group if r['epochs_to_target'] is not None]
-        acc, acc_std = _mean_std([r['final_test_acc'] for r in group])
-        grid = sorted((r['g'], r['final_val_acc']) for r in grid_runs
-                      if (r['method'], r['batch']) == (method, batch))
-        row = dict(method=method, batch=batch, seeds=len(group), g=group[0]['g'],
-                   lr=lr_for(method, batch, group[0]['g']), grid_val_acc=grid,
-                   final_acc=acc, final_acc_std=acc_std, reached=len(reach),
-                   epochs_to_target=_mean_std(reach)[0], updates=group[0]['updates'],
-                   seconds=_mean_std([r['wall_time_s'] for r in group])[0])
-        if 'underflow_fraction' in group[0]:
-            row['underflow_fraction'] = _mean_std([r['underflow_fraction']
-                                                   for r in group])[0]
-            row['skipped_steps'] = _mean_std([r['skipped_steps'] for r in group])[0]
-        out.append(row)
-    return out
+def _scaling_limit(batches, steps, efficiency=0.5):
+    """The largest batch up to which each doubling of B still cut the steps by at least
+    `efficiency` of the ideal halving (steps ratio <= 2 ** -efficiency per doubling,
+    measured between consecutive batch sizes); None if the first step already fails."""
+    last = None
+    for (b0, s0), (b1, s1) in zip(zip(batches, steps), zip(batches[1:], steps[1:])):
+        if s0 is None or s1 is None:
+            break
+        if math.log(s0 / s1) / math.log(b1 / b0) < efficiency:
+            break
+        last = b1
+    return last
 
 
-def largest_batch(summary, batches, methods, reference, tolerance):
-    """method -> the largest batch whose mean accuracy is >= reference - tolerance (None
-    if none is), checked at every batch up to it."""
-    cell = {(r['method'], r['batch']): r for r in summary}
-    out = {}
-    for m in methods:
-        best = None
-        for b in batches:
-            acc = cell[(m, b)]['final_acc']
-            if acc is None or acc < reference - tolerance:
-                break
-            best = b
-        out[m] = best
-    return out
+def summarize(cells_by_method, settings):
+    """study.json's content: batch_sizes, methods -> {steps_to_target, lr, examples,
+    fit, b_crit, s_min, e_min, b_simple, ...}, b_simple (per method and batch, summary)."""
+    batches = settings['batch_sizes']
+    methods, b_simple = {}, {}
+    trainings = 0
+    for name, cells in cells_by_method.items():
+        steps = [c['steps'] for c in cells]
+        fit = fit_tradeoff(batches, steps)
+        trainings += sum(len(c['grid']) for c in cells)
+        per_batch = [c['b_simple'] for c in cells]
+        methods[name] = dict(
+            steps_to_target=steps, lr=[c['lr'] for c in cells],
+            examples_to_target=[s * b if s is not None else None
+                                for s, b in zip(steps, batches)],
+            b_crit=fit['b_crit'] if fit else None, s_min=fit['s_min'] if fit else None,
+            e_min=fit['e_min'] if fit else None, fit=fit,
+            scales_up_to=_scaling_limit(batches, steps),
+            b_simple=per_batch, b_simple_at_target=[c['b_simple_at_target'] for c in cells],
+            b_simple_median=_median(per_batch),
+            skipped_steps=[c['skipped'] for c in cells],
+            grids=[c['grid'] for c in cells], seconds=sum(c['seconds'] for c in cells))
+        b_simple[name] = dict(per_batch=per_batch, median=_median(per_batch))
+    everything = [v for entry in b_simple.values() for v in entry['per_batch']]
+    b_simple['summary'] = _median(everything)
+    return dict(batch_sizes=batches, methods=methods, b_simple=b_simple,
+                trainings=trainings, target=settings['target'])
 
 
-def _fmt_acc(row):
-    if row['final_acc'] is None:
-        return 'nan'
-    return '%.3f ± %.3f' % (row['final_acc'], row['final_acc_std'])
+def _fmt(value, spec='%.0f'):
+    return '—' if value is None else spec % value
 
 
-def _fmt_reach(row):
-    if not row['reached']:
-        return '—'
-    text = '%.1f' % row['epochs_to_target']
-    return text if row['reached'] == row['seeds'] else '%s (%d/%d)' % (
-        text, row['reached'], row['seeds'])
-
-
-def _fmt_lr(row):
-    tried = [g for g, _ in row['grid_val_acc']]
-    edge = ' (edge)' if len(tried) > 1 and row['g'] in (min(tried), max(tried)) else ''
-    return '%.3g%s' % (row['lr'], edge)
-
-
-def tables(summary, batches, methods, args, reference, largest, tolerance):
-    """Markdown tables: accuracy, largest batch, chosen lr, epochs to target, float16."""
-    cell = {(r['method'], r['batch']): r for r in summary}
-    head = '| method | ' + ' | '.join('batch %d' % b for b in batches) + ' |'
+def tables(result):
+    """Markdown: steps to target (and lr), the fit against B_simple, B_simple per batch."""
+    batches, methods = result['batch_sizes'], result['methods']
+    s = result['settings']
+    head = '| method | ' + ' | '.join('%d' % b for b in batches) + ' |'
     rule = '|---|' + '---:|' * len(batches)
-    updates = '| updates per run | ' + ' | '.join(' / '.join(
-        str(u) for u in sorted({cell[(m, b)]['updates'] for m in methods})) for b in batches
-    ) + ' |'
-    lines = ['Final test accuracy after %d epochs of %s (mean ± std over %d seeds, at the '
-             'lr chosen on the validation split):' % (args.epochs, args.dataset, args.seeds),
-             '', head, rule, updates]
-    for m in methods:
-        lines.append('| %s | %s |' % (m, ' | '.join(_fmt_acc(cell[(m, b)]) for b in batches)))
-    lines += ['', 'Largest batch whose mean test accuracy is within %g point of sgd at batch '
-                  '%d (%.3f), and the accuracy there:' % (100 * tolerance, batches[0],
-                                                         reference),
-              '', '| method | largest batch | accuracy |', '|---|---:|---:|']
-    for m in methods:
-        b = largest[m]
-        lines.append('| %s | %s | %s |' % (m, b if b else 'none',
-                                           _fmt_acc(cell[(m, b)]) if b else '—'))
-    lines += ['', 'Peak learning rate chosen on the validation split (grid g = %s, lars %s, '
-                  'scaled as in the docstring, extended up to %d times each way; (edge): '
-                  'the best was still at an end of the grid; [n]: n values of g tried):'
-                  % ('/'.join('%g' % g for g in args.grid),
-                     '/'.join('%g' % g for g in args.lars_grid), args.grid_extend),
-              '', head, rule]
-    for m in methods:
-        lines.append('| %s | %s |' % (m, ' | '.join(
-            '%s [%d]' % (_fmt_lr(cell[(m, b)]), len(cell[(m, b)]['grid_val_acc']))
-            for b in batches)))
-    lines += ['', 'Epochs to reach test accuracy %.2f (mean over the seeds that reach it; '
-                  '(k/n): only k of n seeds did; —: none):' % args.target, '', head, rule]
-    for m in methods:
-        lines.append('| %s | %s |' % (m, ' | '.join(_fmt_reach(cell[(m, b)])
-                                                     for b in batches)))
-    fp16 = [m for m in methods if m.startswith('fp16')]
-    if fp16:
-        lines += ['', 'float16: gradient underflow at the last epoch (% of non-zero entries '
-                      'lost) / skipped steps per run:', '', head, rule]
-        for m in fp16:
-            lines.append('| %s | %s |' % (m, ' | '.join(
-                '%.2f%% / %.1f' % (100 * cell[(m, b)]['underflow_fraction'],
-                                   cell[(m, b)]['skipped_steps']) for b in batches)))
+    lines = ['Steps to %.2f validation accuracy on %s (at the lr with the fewest steps; '
+             '—: not reached within %d steps at any lr tried):' % (
+                 s['target'], s['dataset'], s['max_steps']), '', head, rule]
+    for name, m in methods.items():
+        lines.append('| %s | %s |' % (name, ' | '.join(_fmt(v) for v in m['steps_to_target'])))
+    lines += ['', 'Learning rate chosen (peak, after warmup):', '', head, rule]
+    for name, m in methods.items():
+        lines.append('| %s | %s |' % (name, ' | '.join('%.3g' % v for v in m['lr'])))
+    lines += ['', "McCandlish's fit S = S_min (1 + B_crit / B) against the noise scale "
+                  '(B_simple: median over the batch sizes of the run-averaged value; '
+                  'scales up to: the largest B before a doubling cut the steps by less '
+                  'than a factor 1.41):', '',
+              '| method | S_min | E_min | B_crit | rms log residual | B_simple | '
+              'B_crit / B_simple | scales up to |', '|---|---:|---:|---:|---:|---:|---:|---:|']
+    for name, m in methods.items():
+        fit = m['fit']
+        ratio = (m['b_crit'] / m['b_simple_median']
+                 if m['b_crit'] and m['b_simple_median'] else None)
+        lines.append('| %s | %s | %s | %s | %s | %s | %s | %s |' % (
+            name, _fmt(m['s_min']), _fmt(m['e_min']), _fmt(m['b_crit']),
+            _fmt(fit and fit['rms_log_residual'], '%.3f'), _fmt(m['b_simple_median']),
+            _fmt(ratio, '%.2f'), _fmt(m['scales_up_to'], '%d')))
+    lines += ['', 'B_simple (GradientNoiseScale, run average up to the target / smoothed '
+                  'value at the target) at the chosen lr; summary (median of all): %s:'
+              % _fmt(result['b_simple']['summary']), '', head, rule]
+    for name, m in methods.items():
+        lines.append('| %s | %s |' % (name, ' | '.join(
+            '%s / %s' % (_fmt(a), _fmt(t)) for a, t in zip(m['b_simple'],
+                                                           m['b_simple_at_target']))))
     return '\n'.join(lines)

@@ -14,18 +14,21 @@ import platform
 import numpy as np
 
 from .plots import plot_training
+from .train import NOISE_SCALE_KEYS
 
 __all__ = ['EPOCH_FIELDS', 'STEP_FIELDS', 'BASELINE_KEYS', 'PLOT_FILES', 'versions',
            'write_outputs']
 
 EPOCH_FIELDS = ('epoch', 'train_loss', 'train_acc', 'val_acc', 'test_acc', 'lr',
-                'loss_scale', 'skipped_steps', 'seconds', 'underflow_fraction')
+                'loss_scale', 'skipped_steps', 'seconds', 'underflow_fraction') \
+    + NOISE_SCALE_KEYS
 STEP_FIELDS = ('step', 'epoch', 'loss', 'lr', 'loss_scale', 'skipped', 'zero_grad_fraction')
 #: What summary.json's ``baseline`` keeps of the baseline's result.
 BASELINE_KEYS = ('optimizer', 'batch_size', 'batch_scale', 'effective_batch_size', 'dtype',
                  'warmup_strategy', 'final_loss_scale', 'skipped_steps', 'final_test_acc',
                  'best_test_acc', 'best_epoch', 'epochs_to_target', 'wall_time_s',
-                 'total_steps', 'updates', 'steps_per_epoch')
+                 'total_steps', 'updates', 'steps_per_epoch', 'final_b_simple',
+                 'noise_scale_interval', 'noise_scale_not_measured')
 PLOT_FILES = ('training.png',)
 
 
@@ -69,16 +72,16 @@ def write_outputs(result, out_dir, argv=None, baseline=None):
     _write_history(result, out_dir, '', paths)
     if baseline is not None:
         _write_history(baseline, out_dir, 'baseline-', paths)
+    panels = []
     for name in PLOT_FILES:
         path = os.path.join(out_dir, name)
-        plot_training(result, path, baseline)
+        panels = plot_training(result, path, baseline)
         paths.append(path)
     summary = {k: v for k, v in result.items() if k not in ('epochs', 'steps')}
-    what = ('test accuracy per epoch, learning rate per step, loss scale per step '
-            '(skipped steps: red x), train loss per epoch')
     summary.update(args=summary.pop('config'), argv=argv, versions=versions(),
-                   plots={'training.png': 'one figure, 2x2 subplots: ' + what
-                          + (' (main run and baseline)' if baseline else '')},
+                   plots={'training.png': 'one figure, %d panels: %s%s' % (
+                       len(panels), ', '.join(panels),
+                       ' (main run and baseline)' if baseline else '')},
                    files=[os.path.basename(p) for p in paths] + ['summary.json'])
     if baseline is not None:
         summary['baseline'] = dict({k: baseline[k] for k in BASELINE_KEYS},

@@ -16,9 +16,14 @@ import numpy as np
 from .config import WARMUP_OPTIMIZERS, ConfigError, check
 from .data import load_data
 
-__all__ = ['HOROVOD_INSTALL', 'build', 'probe_underflow', 'train']
+__all__ = ['HOROVOD_INSTALL', 'NOISE_SCALE_INTERVAL', 'NOISE_SCALE_KEYS', 'build',
+           'probe_underflow', 'train']
 
 HOROVOD_INSTALL = 'bash scripts/install_horovod.sh'
+#: Updates between the host reads of the gradient noise scale monitor (0: no monitor).
+NOISE_SCALE_INTERVAL = 10
+#: What each epoch row (and, as final_KEY, the result) keeps of the monitor.
+NOISE_SCALE_KEYS = ('b_simple', 'gradient_sq', 'trace_sigma')
 
 
 def _make_scaler(cfg):
@@ -178,14 +183,25 @@ def _accuracy(net, x, y):
     return float(np.mean(pred == y))
 
 
-def train(cfg, on_start=None, on_step=None, on_epoch=None):
+def train(cfg, on_start=None, on_step=None, on_epoch=None,
+          noise_scale_interval=NOISE_SCALE_INTERVAL):
     """Run `cfg`; returns a result dict (config, history, summary numbers).
 
     Callbacks: on_start(dict(steps_per_epoch, epochs, rank, num_workers)) once the trainer
     is built, on_step(dict) after every step (only step and epoch unless
     cfg.record_steps), on_epoch(dict) after every epoch. ConfigError when the
-    configuration is refused before training starts."""
-    run = _Run(cfg)
+    configuration is refused before training starts.
+
+    noise_scale_interval: updates between the host reads of an
+    mx_lbsgd.GradientNoiseScale monitor (0: none). It watches the runs that have two batch
+    sizes (an mx_lbsgd optimizer with batch_scale > 1 or several workers), only reads the
+    gradients, and gives each epoch row b_simple, gradient_sq and trace_sigma (None
+    where not measured)."""
+    if not isinstance(noise_scale_interval, int) or isinstance(noise_scale_interval, bool) \
+            or noise_scale_interval < 0:
+        raise ConfigError('noise_scale_interval must be an int >= 0; got %r'
+                          % (noise_scale_interval,))
+    run = _Run(cfg, noise_scale_interval)
     if on_start is not None:
         on_start(dict(steps_per_epoch=run.steps_per_epoch, epochs=cfg.epochs,
                       rank=run.rank, num_workers=run.workers))
@@ -197,13 +213,31 @@ def train(cfg, on_start=None, on_step=None, on_epoch=None):
         epochs.append(row)
         if on_epoch is not None:
             on_epoch(row)
-    return _result(cfg, epochs, steps, time.perf_counter() - start, run)
+    wall = time.perf_counter() - start
+    if run.noise is not None:
+        run.noise.close()
+    return _result(cfg, epochs, steps, wall, run)
+
+
+def _noise_monitor(trainer, optimizer, interval):
+    """(GradientNoiseScale or None, why there is none or None). build() has created a dist
+    kvstore already, so the monitor knows the number of workers when it is attached."""
+    import mx_lbsgd
+    if interval == 0:
+        return None, 'off (noise_scale_interval 0)'
+    try:
+        return mx_lbsgd.GradientNoiseScale(trainer, interval=interval), None
+    except TypeError:
+        return None, "%s is not one of mx_lbsgd's optimizers (lbsgd, lssgd, lblamb)" \
+            % optimizer
+    except ValueError:
+        return None, 'one batch size (batch_scale 1, one device, one worker)'
 
 
 class _Run:
     """Data, model, trainer and counters of one training run."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, noise_scale_interval=0):
         import mxnet as mx
         import mx_lbsgd
         from .models import mlp
@@ -236,6 +270,9 @@ class _Run:
         probe = self.shard[:cfg.batch_size]
         self.probe = mx.nd.array(self.x[probe]), mx.nd.array(self.y[probe])
         self.skipped = self.step_count = 0
+        self.noise, self.noise_missing = _noise_monitor(self.trainer, cfg.optimizer,
+                                                        noise_scale_interval)
+        self.noise_interval = noise_scale_interval if self.noise is not None else None
 
     @property
     def scale(self):
@@ -321,6 +358,9 @@ class _Run:
                    loss_scale=self.scale, skipped_steps=self.skipped - skipped_before)
         if len(self.yv):
             row['val_acc'] = _accuracy(self.net, self.xv, self.yv)
+        if self.noise is not None:
+            self.noise.flush()      # per-epoch numbers that do not depend on the interval
+        row.update({k: getattr(self.noise, k, None) for k in NOISE_SCALE_KEYS})
         if cfg.dtype == 'float16':
             row['underflow_fraction'] = probe_underflow(self.net, self.loss_fn, *self.probe,
                                                         scale=self.scale)
@@ -346,7 +386,10 @@ def _result(cfg, epochs, steps, wall, run):
         skipped_steps=run.skipped, total_steps=run.step_count, updates=run.applied_updates(),
         steps_per_epoch=run.steps_per_epoch, final_loss_scale=epochs[-1]['loss_scale'],
         train_samples=len(run.shard), test_samples=len(run.yt), rank=run.rank,
-        num_workers=run.workers)
+        num_workers=run.workers, noise_scale_interval=run.noise_interval,
+        noise_scale_not_measured=run.noise_missing,
+        noise_scale_updates=len(run.noise.history) if run.noise is not None else 0,
+        **{'final_' + k: epochs[-1][k] for k in NOISE_SCALE_KEYS})
     if epochs and 'val_acc' in epochs[-1]:
         out['final_val_acc'] = epochs[-1]['val_acc']
     if epochs and 'underflow_fraction' in epochs[-1]:

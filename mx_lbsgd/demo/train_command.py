@@ -9,6 +9,7 @@ import time
 from mx_lbsgd import schedules
 
 from . import config
+from .train import NOISE_SCALE_INTERVAL
 from .args import Parser, UsageError, number, require_demo, require_writable_dir
 
 __all__ = ['main']
@@ -115,6 +116,13 @@ def _parser():
                    help='test accuracy for epochs_to_target (default %(default)s)')
     p.add_argument('--seed', type=int, default=d.seed,
                    help='data split, initialization and shuffling (default %(default)s)')
+    p.add_argument('--noise-scale-interval', type=number(int, 0),
+                   default=NOISE_SCALE_INTERVAL, metavar='N',
+                   help='updates between the host reads of the gradient noise scale '
+                        'monitor (mx_lbsgd.GradientNoiseScale), which records B_simple per '
+                        'epoch for runs with two batch sizes (lbsgd, lssgd or lblamb with '
+                        '--batch-scale > 1 or several workers); 0 turns it off '
+                        '(default %(default)s)')
     p.add_argument('--no-steps', action='store_true',
                    help='do not record steps.csv (saves one host read per step)')
     p.add_argument('--out', help='output folder (default runs/<timestamp>)')
@@ -187,7 +195,8 @@ class _Progress:
                   'loss scale %g  skipped %d  %.1f s' % (
                       self.label and self.label + ' ', row['epoch'], row['train_loss'],
                       row['train_acc'], row['test_acc'], row['lr'], row['loss_scale'],
-                      row['skipped_steps'], row['seconds']),
+                      row['skipped_steps'], row['seconds'])
+                  + ('  B_simple %.3g' % row['b_simple'] if row.get('b_simple') else ''),
                   flush=True)
 
     def close(self):
@@ -213,7 +222,8 @@ def main(argv):
         progress = _Progress(run_cfg, args.quiet, label)
         try:
             results.append(train.train(run_cfg, on_start=progress.start,
-                                        on_step=progress.step, on_epoch=progress.epoch))
+                                        on_step=progress.step, on_epoch=progress.epoch,
+                                        noise_scale_interval=args.noise_scale_interval))
         except config.ConfigError as err:
             raise UsageError('%s: error: %s' % (parser.prog, err)) from None
         finally:
@@ -224,6 +234,7 @@ def main(argv):
     paths = summary.write_outputs(result, out, argv=list(argv), baseline=baseline)
     for (label, _), res in zip(runs, results):
         print((label + ': ' if label else '') + _result_line(res))
+    print(_noise_scale_line(result))
     print('wrote %s' % ', '.join(paths))
     return 0
 
@@ -243,3 +254,34 @@ def _result_line(result):
     if 'final_underflow_fraction' in result:
         line += ', gradient underflow %.2f%%' % (100 * result['final_underflow_fraction'])
     return line
+
+
+def _noise_scale_line(result):
+    """One line: the effective batch against B_simple, read with McCandlish et al. (2018):
+    steps to a given loss ~ S_min (1 + B_noise / B), examples ~ E_min (1 + B / B_noise), so
+    the speed-up from a larger batch saturates around B_crit ~ B_simple."""
+    b_simple, batch = result['final_b_simple'], result['effective_batch_size']
+    if result['noise_scale_interval'] is None:
+        return 'gradient noise scale: not measured, %s' % result['noise_scale_not_measured']
+    if b_simple is None or b_simple <= 0:
+        return ('gradient noise scale: no usable estimate after %d updates (the smoothed '
+                '|G|^2 or tr(Sigma) is not positive: not resolved from this few updates)'
+                % result['noise_scale_updates'])
+    ratio = batch / b_simple
+    if ratio < 0.5:
+        verdict = ('well below B_simple, larger batches still cut the steps almost in '
+                   'proportion')
+    elif ratio <= 2:
+        verdict = ('near B_simple (the critical batch), where the speed-up from larger '
+                   'batches starts to saturate')
+    else:
+        verdict = 'beyond B_simple, larger batches buy fewer steps per example'
+    return ('gradient noise scale B_simple ~ %s (last epoch); effective batch %d is %sx '
+            'it: %s (steps ~ %sx the fewest, examples ~ %sx the fewest, McCandlish et al. '
+            '2018)' % (_rounded(b_simple, 3), batch, _rounded(ratio, 2), verdict,
+                       _rounded(1 + 1 / ratio, 2), _rounded(1 + ratio, 2)))
+
+
+def _rounded(value, digits):
+    """`digits` significant digits, but no exponent and no decimals from 10**digits on."""
+    return '%.*g' % (digits, value) if value < 10 ** digits else '%.0f' % value
