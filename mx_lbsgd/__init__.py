@@ -17,6 +17,7 @@ from .lamb import LAMB
 from .lbsgd import LBSGD
 from .lssgd import LossScaledSGD
 from .noise_scale import GradientNoiseScale
+from .overflow import LossScaleFallingWarning, OverflowReport
 from .loss_scale import DynamicLossScaler, LossScaleStuckError
 from .lr_scheduler import WarmupScheduler
 from .schedules import WARMUP_STRATEGIES, warmup_multiplier
@@ -24,7 +25,8 @@ from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
            'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling',
            'LossScaledSGD', 'LAMB', 'scale_gradient', 'checkpoint', 'init_kvstore', 'bind',
-           'counting', 'native_library', 'GradientNoiseScale']
+           'counting', 'native_library', 'GradientNoiseScale', 'OverflowReport',
+           'LossScaleFallingWarning']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.

@@ -5,9 +5,13 @@ and owns what happens between them::
 
     trainer.step(batch_size)
       reduce:  refuse a kvstore that updates the weights (loss scaling)
+               local flag: a device-side finite flag of this worker's gradients, kept for
+                       an overflow report (per micro-batch of a window; per step with
+                       check_local_overflow on a dist job); never read on finite steps
                window: micro-batch < B: sum it locally into the accumulators, do not reduce
                        micro-batch = B: write the window's mean into the gradients, reduce
-      update:  optimizer.begin_step(every fresh gradient, closes_window)   # the event
+      update:  optimizer.begin_step(every fresh gradient, closes_window, trainer,
+                                    local flags)                          # the event
                then MXNet's per-device Updaters call optimizer.update_multi_precision
 
 The optimizer learns nothing from attribute writes: it gets `begin_step`. The window's
@@ -17,7 +21,7 @@ window. A Trainer is bound at its first step (or by `bind`), once.
 """
 import weakref
 
-from . import _compat
+from . import _compat, _kernels
 from ._window import TrainerWindow
 
 _BINDINGS = weakref.WeakKeyDictionary()
@@ -45,6 +49,7 @@ class TrainerBinding:
         self.window_at_reduction = True
         self.window = TrainerWindow()
         self._closes = None        # what the last reduction did to the window
+        self._flags = None         # {micro-batch (0: the step): device-side finite flag}
         self._accs = {}            # id(state) -> (state, accumulator): split once per state
         self._sparse = _compat.has_sparse_gradients(trainer)
         # read-only watchers of the gradients (GradientNoiseScale): before_reduction(trainer,
@@ -71,8 +76,16 @@ class TrainerBinding:
         if not (self.window_at_reduction and opt.accumulates_at_trainer()) or self._sparse:
             # sparse gradients: MXNet's Trainer pushes and pulls them separately, row by
             # row; they are accumulated after that reduction, by the optimizer
+            if opt.wants_local_flags(trainer, window=False):
+                self._flags = {0: _kernels.finite_flag(
+                    _compat.fresh_gradients(opt.param_dict), opt.fused)}
             return self._reduced(original, trainer, opt, False)
         grads, accs = self._buffers(trainer, opt)
+        if opt.wants_local_flags(trainer, window=True):
+            position = opt.window_position
+            if position == 0 or self._flags is None:
+                self._flags = {}
+            self._flags[position + 1] = _kernels.finite_flag(grads, opt.fused)
         self._closes = self.window.add(accs=accs, grads=grads, factor=opt.rescale_grad,
                                        size=opt.batch_scale, position=opt.window_position)
         return self._reduced(original, trainer, opt, True) if self._closes else None
@@ -91,7 +104,10 @@ class TrainerBinding:
                 opt.refuse_updates_on_kvstore()
             fresh = (_compat.fresh_gradients(opt.param_dict)
                      if opt.wants_step_gradients() else None)
-            opt.begin_step(fresh, self._closes)
+            opt.begin_step(fresh, self._closes, trainer=trainer,
+                           local_flags=None if self._closes is False else self._flags)
+        if self._closes is not False:
+            self._flags = None
         self._closes = None
         return original(*args, **kwargs)
 

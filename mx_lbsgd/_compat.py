@@ -344,3 +344,41 @@ def _weak_method(obj, name):
         return bound                   # already wrapped by someone else: keep it as it is
     ref = weakref.ref(obj)
     return lambda *a, **k: func(ref(), *a, **k)
+
+
+# -- added for overflow reports (mx_lbsgd.overflow): which worker this is -----------------
+
+def trainer_rank(trainer):
+    """This worker's rank in the Trainer's reduction (None without a dist kvstore or Horovod).
+
+    Why: a Trainer creates its kvstore lazily into the private ``_kvstore``; Horovod's
+    DistributedTrainer has none and reduces through horovod, whose rank is ``hvd.rank()``."""
+    if type(trainer).__module__.split('.')[0] == 'horovod':
+        import horovod.mxnet as hvd
+        return hvd.rank()
+    kv = trainer._kvstore if trainer._kv_initialized else None
+    return kv.rank if kv is not None and 'dist' in kv.type else None
+
+
+def horovod_worker():
+    """(rank, size) when horovod.mxnet is imported and initialized, else None.
+
+    Why: horovod's DistributedOptimizer (Module) reduces before it calls the wrapped
+    optimizer and tells it nothing; horovod's rank is process-wide."""
+    hvd = sys.modules.get('horovod.mxnet')
+    if hvd is None or not hvd.is_initialized():
+        return None
+    return hvd.rank(), hvd.size()
+
+
+def creating_module_worker():
+    """(rank, num_workers) of the dist kvstore that ``Module.init_optimizer`` is creating
+    this optimizer for, else None.
+
+    Why: Module never tells its optimizer the kvstore; the same call-stack read as
+    `creating_module_updates_on_kvstore`."""
+    local = _init_optimizer_locals()
+    kv = local.get('kvstore') if local is not None else None
+    if not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:
+        return None
+    return kv.rank, kv.num_workers

@@ -13,19 +13,25 @@ family, a `Warmup`, a `TrustRatio` or None. The shell keeps MXNet's bookkeeping 
 multipliers, update counts), the state layout (the family's, with an fp32 accumulator
 appended when ``batch_scale > 1``), checkpoint progress and pickling.
 
+Overflow reports (`mx_lbsgd.overflow`): after a skipped step ``last_overflow`` says which
+parameters overflowed, how, at which micro-batch and on which rank; ``overflow_history``
+keeps the last ``overflow_history_size`` reports. Finite steps pay nothing for it except,
+with a window at a Trainer (batch_scale > 1), one device-side finite flag per micro-batch.
+
 Step protocol: under a gluon Trainer, `_binding` calls `begin_step` before the Updater runs
 (the shell never infers a step from attribute writes); Module and bare Updaters call
 `update_multi_precision` only, and the gate finds step boundaries itself.
 """
 import os
 import warnings
+import weakref
 
 import numpy as np
 import mxnet as mx
 from mxnet import nd
 
-from . import _binding, _compat, _graph_scale, _kernels, _legacy, _scaling
-from ._checks import check_choice, check_real
+from . import _binding, _compat, _graph_scale, _kernels, _legacy, _scaling, overflow
+from ._checks import check_choice, check_int, check_real
 from ._window import InOptimizerWindow
 
 
@@ -39,11 +45,17 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
 
     #: attributes that are rebuilt, never pickled
     _TRANSIENT = ('_scratch', '_plans', '_gate', '_ledger', '_family', '_warmup', '_trust',
-                  '_accumulator', '_step_window')
+                  '_accumulator', '_step_window', '_overflow', '_step_trainer', '_local_flags',
+                  '_module_worker')
 
     def __init__(self, *, batch_scale, fused, loss_scaler, count_skipped_steps, scale_key,
-                 multi_precision, **kwargs):
+                 multi_precision, overflow_history_size=overflow.HISTORY_SIZE,
+                 overflow_log_interval=overflow.LOG_INTERVAL, check_local_overflow=False,
+                 **kwargs):
         check_choice('fused', fused, (None, True, False))
+        check_int('overflow_history_size', overflow_history_size, 0)
+        check_real('overflow_log_interval', overflow_log_interval, 0.0, allow_inf=True)
+        check_choice('check_local_overflow', check_local_overflow, (False, True))
         for name in ('learning_rate', 'wd', 'rescale_grad', 'clip_gradient'):
             if kwargs.get(name) is not None:
                 check_real(name, kwargs[name])
@@ -55,6 +67,10 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         self.loss_scaler = loss_scaler
         self.count_skipped_steps = bool(count_skipped_steps)
         self.scale_key = str(scale_key)
+        self.overflow_history_size = int(overflow_history_size)
+        self.overflow_log_interval = float(overflow_log_interval)
+        self.check_local_overflow = bool(check_local_overflow)
+        self._module_worker = _compat.creating_module_worker()
         # the Updater hands over every parameter of a dtype at once; kernels chunk by 60
         self.aggregate_num = 1 << 30
         if loss_scaler is not None:
@@ -69,6 +85,28 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         self._ledger.last_step_skipped = bool(self.__dict__.pop('last_step_skipped', False))
         self._accumulator = InOptimizerWindow(self.batch_scale)
         self._step_window = None   # None, or whether this step closes a Trainer's window
+        self._overflow = overflow._OverflowMonitor(
+            getattr(self, 'overflow_history_size', overflow.HISTORY_SIZE),
+            getattr(self, 'overflow_log_interval', overflow.LOG_INTERVAL))
+        self._step_trainer = None  # weakref to the Trainer of this step (its rank)
+        self._local_flags = None   # {micro-batch (0: the step): device flag} before reduction
+        self.__dict__.setdefault('_module_worker', None)
+        self.__dict__.setdefault('check_local_overflow', False)    # pickled before it existed
+
+    @property
+    def last_overflow(self):
+        """The `OverflowReport` of the last step if it was skipped, else None."""
+        return self._overflow.last
+
+    @property
+    def overflow_history(self):
+        """The last ``overflow_history_size`` reports (a deque, oldest first)."""
+        return self._overflow.history
+
+    @property
+    def overflow_tally(self):
+        """{parameter name: skipped steps it overflowed in} since this optimizer was built."""
+        return self._overflow.tally
 
     @property
     def last_step_skipped(self):
@@ -89,15 +127,27 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         if trainer is not None:
             _binding.bind(trainer)
 
-    def begin_step(self, gradients, closes_window=None):
+    def begin_step(self, gradients, closes_window=None, trainer=None, local_flags=None):
         """A Trainer step starts. `gradients`: every fresh gradient of the step, on every
         device (the loss-scale gate decides over them at once). `closes_window`: None when
         this optimizer accumulates itself; False when the Trainer summed this micro-batch
         locally (count it, apply nothing); True when the Trainer reduced the window's
-        mean (apply it as one step)."""
+        mean (apply it as one step). `trainer`: whose rank a report names. `local_flags`:
+        {micro-batch (0: the step): device-side finite flag taken before the reduction}."""
         self._step_window = closes_window
+        self._step_trainer = None if trainer is None else weakref.ref(trainer)
+        self._local_flags = local_flags
         if self.loss_scaler is not None:
             self._gate.new_step(gradients)
+
+    def wants_local_flags(self, trainer, window):
+        """Whether the Trainer should keep a device-side finite flag of this worker's
+        gradients before reducing them: per micro-batch of a window at the Trainer (to name
+        the micro-batch), per step with ``check_local_overflow`` on a distributed job."""
+        if self.loss_scaler is None or not self.loss_scaler.enabled:
+            return False
+        return window or (self.check_local_overflow
+                          and _compat.trainer_worker_count(trainer, 2) > 1)
 
     def wants_step_gradients(self):
         """Whether `begin_step` needs the step's gradients (listing them costs a pass)."""
@@ -240,6 +290,9 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
                                  (index, weight, grad, state), self.loss_scaler,
                                  self._gradient_scale())
         window = self.batch_scale if self._step_window else 1
+        decision = self._gate.take_decision()
+        if decision is not None:
+            self._report(*decision)
         for call, apply_ in runs:
             self._ledger.last_step_skipped = not apply_
             if apply_:
@@ -252,6 +305,45 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
             self.num_update = self._ledger.skipped(
                 self.num_update, 1 if self.counts_applied_updates else window)
         _graph_scale.serve(self.scale_key, self.loss_scaler)
+
+    def _report(self, skipped, grads, calls):
+        """Keep the overflow report of a decided step (None for a finite one). Runs before
+        the skipped window's counts are rewound, so the window position is this step's."""
+        if not skipped:
+            self._overflow.finite()
+            return
+        at_trainer = bool(self._step_window) and self.batch_scale > 1
+        micro_batch = (self.window_position + 1
+                       if self.batch_scale > 1 and not at_trainer else None)
+        rank, workers = self._worker()
+        self._overflow.skipped(
+            scaler=self.loss_scaler, scale=self._gate.scale,
+            named_grads=self._named_gradients(grads, calls), micro_batch=micro_batch,
+            local_flags=self._local_flags, rank=rank, num_workers=workers,
+            window=self.batch_scale if at_trainer else 0)
+
+    def _named_gradients(self, grads, calls):
+        """[(parameter name, gradient)] for the checked gradients: Gluon names from
+        param_dict, Module's from idx2name (param_idx2name), else the index."""
+        names = {}
+        for index, _, call_grads, _ in calls:
+            for i, g in zip(index, call_grads):
+                names[_compat.buffer_id(g)] = self._name(i) or str(i)
+        for param in self.param_dict.values():
+            try:
+                copies = param.list_grad()
+            except (RuntimeError, mx.MXNetError):      # grad_req='null', not initialized
+                continue
+            for g in copies:
+                names[_compat.buffer_id(_compat.legacy(g))] = param.name
+        return [(names.get(_compat.buffer_id(g), '#%d' % k), g) for k, g in enumerate(grads)]
+
+    def _worker(self):
+        """(rank or None, number of workers) of this step's reduction."""
+        trainer = self._step_trainer() if self._step_trainer is not None else None
+        if trainer is not None:
+            return _compat.trainer_rank(trainer), _compat.trainer_worker_count(trainer, 1)
+        return self._module_worker or _compat.horovod_worker() or (None, 1)
 
     def _gradient_scale(self):
         """The scale this step's gradients carry: Gluon scales the loss by the optimizer's

@@ -110,6 +110,7 @@ class _StepGate:
         self.skip = None          # None: this step is not decided yet
         self._reported = False    # whether a skipped step was handed to `take_skip`
         self.scale = 1.0          # the loss scale the decided step's gradients carry
+        self._decision = None     # (skip, checked gradients, calls) until `take_decision`
 
     def created(self, key):
         self._awaiting.add(key)
@@ -146,6 +147,12 @@ class _StepGate:
             return True
         return False
 
+    def take_decision(self):
+        """(skip, the gradients checked, the calls decided with them) once per decided step,
+        else None: what an overflow report needs, kept by reference (no copy, no read)."""
+        decision, self._decision = self._decision, None
+        return decision
+
     def _end_step(self, scaler):
         runs = []
         if self._pending:
@@ -171,6 +178,7 @@ class _StepGate:
                 self._checked = set(seen)
                 grads = list(seen.values())
             self.skip = not decide(scaler, grads, self.fused, self.check)
+            self._decision = (self.skip, grads, [c for _, c in ready])
             return [(c, not self.skip) for _, c in ready]
         runs = []
         for grads, c in ready:

@@ -4,7 +4,8 @@ import warnings
 import numpy as np
 import mxnet as mx
 
-from . import _binding, _compat, _kernels, _scaling
+from . import _binding, _compat, _kernels, _scaling, overflow
+from ._checks import check_choice, check_int, check_real
 from .loss_scale import _as_scaler
 
 
@@ -42,9 +43,23 @@ class LossScaling:
         Scale even when no gradient is float16 (otherwise that is a no-op with a warning).
     fused : None or bool
         Overflow-check kernels: see `LBSGD(fused=...)`.
+    history_size : int >= 0, default 32
+        Overflow reports kept in ``overflow_history``.
+    log_interval : float >= 0, default 30
+        Seconds between two log records of skipped steps (logger 'mx_lbsgd', INFO; the
+        next record counts the ones left out).
+    check_local : bool, default False
+        On a distributed job, keep a device-side finite flag of this worker's gradients
+        before the all-reduce, so a report can say whether this worker overflowed (one
+        finite check per step more; never read on a finite step).
+
+    After a skipped step ``last_overflow`` is an `OverflowReport` (None after a finite
+    step); ``overflow_history`` and ``overflow_tally`` keep the recent ones.
     """
 
-    def __init__(self, trainers, scaler=None, force=False, fused=None):
+    def __init__(self, trainers, scaler=None, force=False, fused=None,
+                 history_size=overflow.HISTORY_SIZE, log_interval=overflow.LOG_INTERVAL,
+                 check_local=False):
         self.trainers = [trainers] if isinstance(trainers, mx.gluon.Trainer) else list(trainers)
         if not self.trainers or not all(isinstance(t, mx.gluon.Trainer) for t in self.trainers):
             raise TypeError('trainers must be a gluon.Trainer or a list of them; got %r'
@@ -59,9 +74,28 @@ class LossScaling:
         self.force = bool(force)
         self.fused = fused
         self.last_step_skipped = False
+        self.check_local = check_choice('check_local', check_local, (False, True))
+        self._overflow = overflow._OverflowMonitor(
+            check_int('history_size', history_size, 0),
+            check_real('log_interval', log_interval, 0.0, allow_inf=True))
+        self._local_flag = None
         self._active = None            # decided on first use, once gradients exist
         self._reduced = False
         self._unscaled = False
+
+    @property
+    def last_overflow(self):
+        """The `OverflowReport` of the last step if it was skipped, else None."""
+        return self._overflow.last
+
+    @property
+    def overflow_history(self):
+        return self._overflow.history
+
+    @property
+    def overflow_tally(self):
+        """{parameter name: skipped steps it overflowed in}."""
+        return self._overflow.tally
 
     @property
     def scale(self):
@@ -92,6 +126,8 @@ class LossScaling:
             if _compat.trainer_updates_on_kvstore(t):
                 _scaling.refuse_kvstore_updates('LossScaling')
         if not self._reduced:
+            if self.check_local and self._is_active() and self._workers()[1] > 1:
+                self._local_flag = _kernels.finite_flag(self._grads(), self.fused)
             for t in self.trainers:
                 t.allreduce_grads()
             self._reduced = True
@@ -131,6 +167,11 @@ class LossScaling:
         active = self._is_active()
         scale = self.scaler.scale
         applied = not active or _scaling.decide(self.scaler, self._grads(), self.fused)
+        if active and applied:
+            self._overflow.finite()
+        elif active:
+            self._report(scale)
+        self._local_flag = None
         if applied:
             fold = 1.0 if (self._unscaled or not active) else _scaling.unscale_factor(scale)
             for t in self.trainers:
@@ -138,6 +179,23 @@ class LossScaling:
         self.last_step_skipped = not applied
         self._reduced = self._unscaled = False
         return applied
+
+    def _workers(self):
+        trainer = self.trainers[0]
+        return _compat.trainer_rank(trainer), _compat.trainer_worker_count(trainer, 1)
+
+    def _report(self, scale):
+        named = [(p.name, _compat.legacy(g)) for p in self._params() for g in p.list_grad()]
+        opt = self.trainers[0].optimizer
+        # an mx_lbsgd optimizer accumulating after the reduction: each micro-batch is a step
+        micro_batch = (opt.window_position + 1
+                       if getattr(opt, 'batch_scale', 1) > 1 and hasattr(opt, 'window_position')
+                       else None)
+        rank, workers = self._workers()
+        self._overflow.skipped(
+            scaler=self.scaler, scale=scale, named_grads=named, micro_batch=micro_batch,
+            local_flags=None if self._local_flag is None else {0: self._local_flag},
+            rank=rank, num_workers=workers)
 
 
 def bind(trainer, window=True):

@@ -10,7 +10,10 @@ optimizer and its parameters, steps, the per-worker batch, contexts per worker, 
 `compression` ('fp16', horovod), `mults` ({'lr'|'wd': {name: mult}}: set on the
 Parameters in Gluon, through `set_lr_mult`/`set_wd_mult` on Module's optimizer) and
 `resume` ({'at': step, 'per_rank': bool}: save states and weights there, rank 0 only
-unless per_rank, rebuild everything and load them on every rank). Worker r of n trains on
+unless per_rank, rebuild everything and load them on every rank), `reports` (save the
+optimizer's or hook's `last_overflow` of every step, as dicts, in rankR.reports.json) and
+`check_local` (LossScaling(check_local=True), or check_local_overflow=True on the
+optimizer). Worker r of n trains on
 samples [s*n*b + r*b, s*n*b + (r+1)*b) at step s, so n workers of batch b see what one
 process of batch n*b sees. Each worker saves its weights, loss scales and skip flags, and
 the gradient reductions (pushpull / allreduce calls) of every step.
@@ -38,6 +41,8 @@ def _optimizer_params(cfg):
     params = dict(defaults, **copy.deepcopy(cfg['params']))
     if 'loss_scaler' in params:
         params['loss_scaler'] = mx_lbsgd.DynamicLossScaler(**params['loss_scaler'])
+        if cfg.get('check_local'):
+            params['check_local_overflow'] = True
     return params
 
 
@@ -47,6 +52,13 @@ def _shard(step, rank, num_workers, batch):
 
 
 COMM = []      # one entry per gradient reduction call (pushpull, horovod allreduce)
+REPORTS = []   # cfg['reports']: the last_overflow of every step (a dict or None)
+
+
+def _keep_report(source):
+    report = source.last_overflow
+    REPORTS.append(None if report is None else dict(
+        report.__dict__, parameters=dict(report.parameters), counts=dict(report.counts)))
 
 
 def _count_kvstore(kv):
@@ -104,7 +116,7 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
     hook = None
     if cfg.get('hook'):
         hook = mx_lbsgd.LossScaling(trainer, mx_lbsgd.DynamicLossScaler(**cfg['hook']),
-                                    force=True)
+                                    force=True, check_local=bool(cfg.get('check_local')))
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     record, comm = [], []
     resume = cfg.get('resume')
@@ -131,6 +143,8 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
         comm.append(len(COMM) - before)
         record.append((hook.scaler.scale, hook.last_step_skipped) if hook
                       else _scale_record(trainer.optimizer))
+        if cfg.get('reports'):
+            _keep_report(hook or trainer.optimizer)
     weights = {p.name.split('_', 1)[1]: p.data(contexts[0]).asnumpy()
                for p in net.collect_params().values()}
     return weights, record, comm
@@ -201,6 +215,8 @@ def _module(cfg, kv, rank, num_workers, contexts):
         mod.update()
         comm.append(len(COMM) - before)
         record.append(_scale_record(mod._optimizer))
+        if cfg.get('reports'):
+            _keep_report(mod._optimizer)
     weights = {k: v.asnumpy() for k, v in mod.get_params()[0].items()}
     return weights, record, comm
 
@@ -233,6 +249,9 @@ def main():
         sys.exit(3)
     np.savez(os.path.join(out, 'rank%d.npz' % rank), record=np.array(record, dtype=float),
              comm=np.array(comm), **weights)
+    if cfg.get('reports'):
+        with open(os.path.join(out, 'rank%d.reports.json' % rank), 'w') as f:
+            json.dump(REPORTS, f)
     print('rank %d done' % rank)
 
 
