@@ -35,7 +35,7 @@ from ._checks import check_choice, check_int, check_real
 from ._window import InOptimizerWindow
 
 
-class PipelineOptimizer(mx.optimizer.Optimizer):
+class PipelineOptimizer(overflow._OverflowViews, mx.optimizer.Optimizer):
     """Base of mx_lbsgd's optimizers; see the module docstring. Subclasses set
     ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`."""
 
@@ -92,21 +92,6 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         self._local_flags = None   # {micro-batch (0: the step): device flag} before reduction
         self.__dict__.setdefault('_module_worker', None)
         self.__dict__.setdefault('check_local_overflow', False)    # pickled before it existed
-
-    @property
-    def last_overflow(self):
-        """The `OverflowReport` of the last step if it was skipped, else None."""
-        return self._overflow.last
-
-    @property
-    def overflow_history(self):
-        """The last ``overflow_history_size`` reports (a deque, oldest first)."""
-        return self._overflow.history
-
-    @property
-    def overflow_tally(self):
-        """{parameter name: skipped steps it overflowed in} since this optimizer was built."""
-        return self._overflow.tally
 
     @property
     def last_step_skipped(self):

@@ -9,7 +9,7 @@ from ._checks import check_choice, check_int, check_real
 from .loss_scale import _as_scaler
 
 
-class LossScaling:
+class LossScaling(overflow._OverflowViews):
     """Attach dynamic loss scaling to one or several `gluon.Trainer`s::
 
         scaling = mx_lbsgd.LossScaling(trainer)          # or [trainer_a, trainer_b]
@@ -82,20 +82,6 @@ class LossScaling:
         self._active = None            # decided on first use, once gradients exist
         self._reduced = False
         self._unscaled = False
-
-    @property
-    def last_overflow(self):
-        """The `OverflowReport` of the last step if it was skipped, else None."""
-        return self._overflow.last
-
-    @property
-    def overflow_history(self):
-        return self._overflow.history
-
-    @property
-    def overflow_tally(self):
-        """{parameter name: skipped steps it overflowed in}."""
-        return self._overflow.tally
 
     @property
     def scale(self):

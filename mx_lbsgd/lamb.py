@@ -65,6 +65,7 @@ class LAMB(PipelineOptimizer):
         built it; otherwise MXNet's operators routed by tensor size. True / False force
         MXNet's multi-tensor / per-tensor LAMB operators (the GPU path is multi-tensor).
     loss_scaler, count_skipped_steps, scale_key : as in `LBSGD`.
+    overflow_history_size, overflow_log_interval, check_local_overflow : as in `LBSGD`.
     """
 
     counts_applied_updates = True

@@ -111,6 +111,12 @@ class LBSGD(PipelineOptimizer):
         and accumulation counters never advance on a skipped step.
     scale_key : str, default 'default'
         Name under which ``loss_scaler`` serves :func:`mx_lbsgd.scale_gradient` ops (Module).
+    overflow_history_size, overflow_log_interval, check_local_overflow
+        With a ``loss_scaler``: how many `mx_lbsgd.OverflowReport` objects
+        ``overflow_history`` keeps (default 32), the least seconds between two log records
+        of skipped steps (default 30.0), and whether a distributed worker checks its own
+        gradients before the reduction when ``batch_scale`` is 1 (default False; one
+        device-side check per step) so that ``last_overflow.originated_here`` is known.
     lazy_update : bool, default True
         As in ``mx.optimizer.SGD``: with a row_sparse gradient only its rows change
         (weight, momentum, weight decay, fp32 master rows); False updates every row.

@@ -42,6 +42,8 @@ class LossScaledSGD(LBSGD):
         Name under which ``loss_scaler`` serves :func:`mx_lbsgd.scale_gradient` ops.
     fused : None or bool
         Kernel path, as in :class:`LBSGD`.
+    overflow_history_size, overflow_log_interval, check_local_overflow
+        Overflow reports, as in :class:`LBSGD`.
     """
 
     def __init__(self, momentum=0.0, multi_precision=False, loss_scaler=None,

@@ -171,6 +171,26 @@ def _locate(*, flags, micro_batch, num_workers, window):
     return micro_batch, False, ' '.join(notes)
 
 
+class _OverflowViews:
+    """`last_overflow`, `overflow_history` and `overflow_tally` of an object that keeps its
+    reports in ``self._overflow`` (the loss-scaled optimizers and the LossScaling hook)."""
+
+    @property
+    def last_overflow(self):
+        """The `OverflowReport` of the last step if it was skipped, else None."""
+        return self._overflow.last
+
+    @property
+    def overflow_history(self):
+        """The last reports (a deque, oldest first)."""
+        return self._overflow.history
+
+    @property
+    def overflow_tally(self):
+        """{parameter name: skipped steps it overflowed in}."""
+        return self._overflow.tally
+
+
 class _OverflowMonitor:
     """The reports of one optimizer or hook: `last`, a bounded `history`, a `tally` of the
     skipped steps each parameter overflowed in, rate-limited log records and the early
