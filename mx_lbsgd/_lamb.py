@@ -157,16 +157,14 @@ def _native_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_appl
     arrays = (list(weights) + list(grads) + [s[0] for s in states] + [s[1] for s in states]
               + (list(masters) if mp else []))
     applies = [1] * len(weights) if ratio_applies is None else [int(a) for a in ratio_applies]
+    numbers = _native.attribute_list
     _native.ops().lamb_update(
-        *arrays, num_tensors=len(weights), multi_precision=int(mp), lrs=_floats(lrs),
-        wds=_floats(wds), steps=_floats(steps), applies=_floats(applies), beta1=beta1,
+        *arrays, num_tensors=len(weights), multi_precision=int(mp), lrs=numbers(lrs),
+        wds=numbers(wds), steps=numbers(steps), applies=numbers(applies), beta1=beta1,
         beta2=beta2, epsilon=epsilon, bias_correction=int(bias_correction),
         rescale_grad=rescale_grad, clip_gradient=clip_gradient or -1.0,
-        lower_bound=bounds.get('lower_bound', -1.0), upper_bound=bounds.get('upper_bound', -1.0))
-
-
-def _floats(values):
-    return ','.join(repr(float(v)) for v in values)
+        lower_bound=bounds.get('lower_bound', -1.0),
+        upper_bound=bounds.get('upper_bound', -1.0))
 
 
 def _multi_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_applies,

@@ -33,6 +33,11 @@ def native_library():
     return None if loaded is None else loaded.path
 
 
+def attribute_list(values):
+    """Numbers as an operator attribute: comma-separated, each exact (repr of a float)."""
+    return ','.join(repr(float(v)) for v in values)
+
+
 def _library_path():
     found = sorted(glob.glob(_LIBRARY_GLOB))
     return found[0] if found else None

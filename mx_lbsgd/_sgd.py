@@ -129,12 +129,10 @@ def _native_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
     _native.ops().sgd_update(
         *arrays, num_tensors=len(weights), has_momentum=int(with_mom),
         momentum=momentum if with_mom else 0.0, multi_precision=int(mp),
-        preloaded=int(lr_vector is not None), lrs=_floats(lrs), wds=_floats(wds),
+        preloaded=int(lr_vector is not None), lrs=_native.attribute_list(lrs),
+        wds=_native.attribute_list(wds),
         rescale_grad=rescale_grad, clip_gradient=clip_gradient if clip_gradient else -1.0)
 
-
-def _floats(values):
-    return ','.join(repr(float(v)) for v in values)
 
 
 def _preloaded(mp, with_mom):

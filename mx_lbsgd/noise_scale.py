@@ -148,11 +148,11 @@ class GradientNoiseScale:
             return
         arrays = [a.as_in_context(mx.cpu()) for small, big, _, _ in self._pending
                   for a, _ in small + [big]]
-        values = nd.concat(*arrays, dim=0).asnumpy().tolist()
+        values = iter(nd.concat(*arrays, dim=0).asnumpy().tolist())
         start = self._updates - len(self._pending) + 1
         for u, (small, (_, big_factor), b_small, b_big) in enumerate(self._pending):
-            sums = [values.pop(0) * f for _, f in small]
-            big_sq = values.pop(0) * big_factor
+            sums = [next(values) * f for _, f in small]
+            big_sq = next(values) * big_factor
             if not sums or not all(map(math.isfinite, sums + [big_sq])) or b_big <= b_small:
                 continue
             self._estimate(start + u, sum(sums) / len(sums), big_sq, b_small, b_big)
