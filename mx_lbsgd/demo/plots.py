@@ -1,6 +1,8 @@
 """The demo's figures: training.png (``mx-lbsgd train``), the warmup curves
 (``mx-lbsgd schedule --plot``) and study.png (``mx-lbsgd study``). matplotlib is imported
 when a figure is drawn."""
+import re
+
 import numpy as np
 
 __all__ = ['TRAINING_PANELS', 'NOISE_SCALE_PANEL', 'describe', 'plot_training',
@@ -38,7 +40,8 @@ def _per_epoch(result):
 
 #: What each panel of training.png shows (plot_training returns those it drew).
 TRAINING_PANELS = ('test accuracy per epoch', 'learning rate per step',
-                   'loss scale per step (skipped steps: red x)', 'train loss per epoch')
+                   'loss scale per step (skipped steps: red x, labelled with the parameter '
+                   'that overflowed most)', 'train loss per epoch')
 NOISE_SCALE_PANEL = ('gradient noise scale B_simple per epoch (log scale; the effective '
                      'batch as a horizontal line)')
 
@@ -91,9 +94,14 @@ def plot_training(result, path, baseline=None):
     if st:
         x = _per_epoch(result)
         ax.plot(x, [r['loss_scale'] for r in st], color='C0', label='loss scale (main)')
-        bad = [(xi, r['loss_scale']) for xi, r in zip(x, st) if r['skipped']]
+        bad = [(xi, r['loss_scale'], _top_parameter(r)) for xi, r in zip(x, st)
+               if r['skipped']]
         if bad:
-            ax.plot(*zip(*bad), 'rx', ms=8, label='skipped step (%d)' % len(bad))
+            top = result.get('overflow_top_offenders') or ()
+            ax.plot([b[0] for b in bad], [b[1] for b in bad], 'rx', ms=8,
+                    label='skipped step (%d)%s' % (len(bad), ''.join(
+                        '\n%s in %d' % (_short(name), n) for name, n in top[:2])))
+            _label_skips(ax, bad)
     else:
         ax.plot([r['epoch'] for r in result['epochs']],
                 [r['loss_scale'] for r in result['epochs']], 'o-', label='loss scale (main)')
@@ -118,6 +126,38 @@ def plot_training(result, path, baseline=None):
     return panels
 
 
+def _short(name):
+    """A Gluon parameter name without its outer block's prefix
+    ('hybridsequential0_dense2_weight' -> 'dense2_weight')."""
+    return re.sub(r'^[A-Za-z]+\d+_(?=.*_)', '', name)
+
+
+def _top_parameter(step_row):
+    """'name kind' of the parameter with the most non-finite elements in a skipped step's
+    row ('' when the row has no overflow report)."""
+    first = (step_row.get('overflow_parameters') or '').split(';')[0]
+    if not first:
+        return ''
+    name, kind = first.split(':')[:2]
+    return '%s %s' % (_short(name), kind)
+
+
+#: Skip markers labelled at most.
+_MAX_SKIP_LABELS = 8
+
+
+def _label_skips(ax, bad):
+    """Write the top parameter next to each skip marker; with more than _MAX_SKIP_LABELS
+    skips, next to the first of each run of one top parameter, up to that many."""
+    shown, previous, every = 0, None, len(bad) <= _MAX_SKIP_LABELS
+    for x, y, name in bad:
+        if name and (every or name != previous) and shown < _MAX_SKIP_LABELS:
+            ax.annotate(name, (x, y), xytext=(7, 0), textcoords='offset points',
+                        fontsize=7, color='red', va='center')
+            shown += 1
+        previous = name
+
+
 def _plot_noise_scale(ax, result):
     """B_simple per epoch (positive estimates; log2 y) against the effective batch and the
     micro-batch."""
@@ -131,9 +171,9 @@ def _plot_noise_scale(ax, result):
                label='effective batch %d' % result['effective_batch_size'])
     ax.axhline(result['batch_size'], color='gray', ls=':',
                label='micro-batch %d' % result['batch_size'])
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter
     ax.set_yscale('log', base=2)
-    ax.yaxis.set_major_formatter(ScalarFormatter())     # batch sizes, not 2^k
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: '%g' % v))  # sizes, not 2^k
     last = result.get('final_b_simple')
     ax.set(title='gradient noise scale B_simple = tr(\u03a3)/|G|\u00b2'
                  + (', last %.0f' % last if last else ''),

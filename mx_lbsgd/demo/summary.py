@@ -14,7 +14,7 @@ import platform
 import numpy as np
 
 from .plots import plot_training
-from .train import NOISE_SCALE_KEYS
+from .train import NOISE_SCALE_KEYS, OVERFLOW_KEYS
 
 __all__ = ['EPOCH_FIELDS', 'STEP_FIELDS', 'BASELINE_KEYS', 'PLOT_FILES', 'versions',
            'write_outputs']
@@ -22,7 +22,8 @@ __all__ = ['EPOCH_FIELDS', 'STEP_FIELDS', 'BASELINE_KEYS', 'PLOT_FILES', 'versio
 EPOCH_FIELDS = ('epoch', 'train_loss', 'train_acc', 'val_acc', 'test_acc', 'lr',
                 'loss_scale', 'skipped_steps', 'seconds', 'underflow_fraction') \
     + NOISE_SCALE_KEYS
-STEP_FIELDS = ('step', 'epoch', 'loss', 'lr', 'loss_scale', 'skipped', 'zero_grad_fraction')
+STEP_FIELDS = ('step', 'epoch', 'loss', 'lr', 'loss_scale', 'skipped',
+               'zero_grad_fraction') + OVERFLOW_KEYS
 #: What summary.json's ``baseline`` keeps of the baseline's result.
 BASELINE_KEYS = ('optimizer', 'batch_size', 'batch_scale', 'effective_batch_size', 'dtype',
                  'warmup_strategy', 'final_loss_scale', 'skipped_steps', 'final_test_acc',

@@ -10,20 +10,24 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 
 import numpy as np
 
 from .config import WARMUP_OPTIMIZERS, ConfigError, check
 from .data import load_data
 
-__all__ = ['HOROVOD_INSTALL', 'NOISE_SCALE_INTERVAL', 'NOISE_SCALE_KEYS', 'build',
-           'probe_underflow', 'train']
+__all__ = ['HOROVOD_INSTALL', 'NOISE_SCALE_INTERVAL', 'NOISE_SCALE_KEYS', 'OVERFLOW_KEYS',
+           'build', 'overflow_fields', 'probe_underflow', 'train']
 
 HOROVOD_INSTALL = 'bash scripts/install_horovod.sh'
 #: Updates between the host reads of the gradient noise scale monitor (0: no monitor).
 NOISE_SCALE_INTERVAL = 10
 #: What each epoch row (and, as final_KEY, the result) keeps of the monitor.
 NOISE_SCALE_KEYS = ('b_simple', 'gradient_sq', 'trace_sigma')
+#: What a step row keeps of a skipped step's mx_lbsgd.OverflowReport (None when finite).
+OVERFLOW_KEYS = ('overflow_parameters', 'overflow_micro_batch', 'overflow_rank',
+                 'overflow_originated_here')
 
 
 def _make_scaler(cfg):
@@ -164,6 +168,17 @@ def probe_underflow(net, loss_fn, xb, yb, scale):
     return lost / nonzero if nonzero else 0.0
 
 
+def overflow_fields(report):
+    """The OVERFLOW_KEYS of a step row from an mx_lbsgd.OverflowReport (or None: all None).
+    overflow_parameters is 'name:kind:count' per parameter, most elements first, ';'-joined."""
+    if report is None:
+        return dict.fromkeys(OVERFLOW_KEYS)
+    return dict(overflow_parameters=';'.join('%s:%s:%d' % (n, k, report.counts[n])
+                                             for n, k in report.parameters.items()),
+                overflow_micro_batch=report.micro_batch, overflow_rank=report.rank,
+                overflow_originated_here=report.originated_here)
+
+
 def _shard(n, kvstore):
     """Indices of this worker's shard of n samples: equal-sized, contiguous, by rank."""
     if kvstore == 'horovod':
@@ -273,6 +288,41 @@ class _Run:
         self.noise, self.noise_missing = _noise_monitor(self.trainer, cfg.optimizer,
                                                         noise_scale_interval)
         self.noise_interval = noise_scale_interval if self.noise is not None else None
+        # who keeps the OverflowReports: the LossScaling hook, or the loss-scaled optimizer
+        self.reports = self.hook if self.hook is not None else (
+            self.opt if self.scaler is not None else None)
+        self.scale_warnings = []
+
+    def top_offenders(self):
+        """[[parameter, skipped steps it overflowed in]], most first (at most 3), or None
+        without loss scaling."""
+        if self.reports is None:
+            return None
+        return [[name, n] for name, n in self.reports.overflow_tally.most_common(3)]
+
+    def _update(self):
+        """trainer.step (or the hook's), keeping each mx_lbsgd.LossScaleFallingWarning in
+        scale_warnings (the library logs it too); other warnings are shown as usual."""
+        import mx_lbsgd
+        if self.reports is None:
+            return self._apply()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always', mx_lbsgd.LossScaleFallingWarning)
+            self._apply()
+        for w in caught:
+            if isinstance(w.message, mx_lbsgd.LossScaleFallingWarning):
+                self.scale_warnings.append(dict(step=self.step_count + 1, message=str(w.message),
+                                                offenders=[list(o) for o in w.message.offenders]))
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+    def _apply(self):
+        if self.hook is not None:
+            if self.cfg.optimizer == 'lars':
+                self.hook.unscale()   # MXNet's LARS squares the (fp16) gradients as given
+            self.hook.step(self.step_batch)
+        else:
+            self.trainer.step(self.step_batch)
 
     @property
     def scale(self):
@@ -309,7 +359,8 @@ class _Run:
         return lr
 
     def step(self, xb, yb):
-        """One forward/backward/update: (per-sample losses, logits, skipped, zero fraction)."""
+        """One forward/backward/update: (per-sample losses, logits, skipped, zero fraction,
+        the OverflowReport of a skipped step or None)."""
         import mxnet as mx
         cfg, scale = self.cfg, self.scale
         with mx.autograd.record():
@@ -319,16 +370,12 @@ class _Run:
         scaled.backward()
         zero = _zero_fraction(self.params) if cfg.record_steps else None
         before = self.scaler.total_skipped if self.scaler is not None else 0
-        if self.hook is not None:
-            if cfg.optimizer == 'lars':
-                self.hook.unscale()   # MXNet's LARS squares the (fp16) gradients as given
-            self.hook.step(self.step_batch)
-        else:
-            self.trainer.step(self.step_batch)
+        self._update()
         skipped = self.scaler.total_skipped - before if self.scaler is not None else 0
         self.skipped += skipped
         self.step_count += 1
-        return loss, out, skipped, zero
+        report = self.reports.last_overflow if skipped and cfg.record_steps else None
+        return loss, out, skipped, zero, report
 
     def epoch(self, epoch, steps, on_step):
         """Train one epoch; appends to `steps` if recording; returns the epoch's row."""
@@ -341,13 +388,14 @@ class _Run:
             idx = order[i * bs:(i + 1) * bs]
             xb, yb = mx.nd.array(self.x[idx]), mx.nd.array(self.y[idx])
             scale = self.scale
-            loss, out, skipped, zero = self.step(xb, yb)
+            loss, out, skipped, zero, report = self.step(xb, yb)
             loss_sum += loss.sum()
             correct += (out.argmax(axis=1) == yb).sum()
             row = dict(step=self.step_count, epoch=epoch)
             if cfg.record_steps:
                 row.update(loss=float(loss.mean().asscalar()), lr=self.lr(), loss_scale=scale,
-                           skipped=int(skipped), zero_grad_fraction=zero)
+                           skipped=int(skipped), zero_grad_fraction=zero,
+                           **overflow_fields(report))
                 steps.append(row)
             if on_step is not None:
                 on_step(row)
@@ -389,6 +437,7 @@ def _result(cfg, epochs, steps, wall, run):
         num_workers=run.workers, noise_scale_interval=run.noise_interval,
         noise_scale_not_measured=run.noise_missing,
         noise_scale_updates=len(run.noise.history) if run.noise is not None else 0,
+        overflow_top_offenders=run.top_offenders(), loss_scale_warnings=run.scale_warnings,
         **{'final_' + k: epochs[-1][k] for k in NOISE_SCALE_KEYS})
     if epochs and 'val_acc' in epochs[-1]:
         out['final_val_acc'] = epochs[-1]['val_acc']

@@ -1,7 +1,9 @@
 """``mx-lbsgd train``: train the digits MLP (main run and baseline), write metrics, summary
 and plots (see the command's --help)."""
 import argparse
+import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -221,9 +223,10 @@ def main(argv):
     for label, run_cfg in runs:
         progress = _Progress(run_cfg, args.quiet, label)
         try:
-            results.append(train.train(run_cfg, on_start=progress.start,
-                                        on_step=progress.step, on_epoch=progress.epoch,
-                                        noise_scale_interval=args.noise_scale_interval))
+            with _library_log(args.quiet):
+                results.append(train.train(run_cfg, on_start=progress.start,
+                                            on_step=progress.step, on_epoch=progress.epoch,
+                                            noise_scale_interval=args.noise_scale_interval))
         except config.ConfigError as err:
             raise UsageError('%s: error: %s' % (parser.prog, err)) from None
         finally:
@@ -235,8 +238,47 @@ def main(argv):
     for (label, _), res in zip(runs, results):
         print((label + ': ' if label else '') + _result_line(res))
     print(_noise_scale_line(result))
+    for line in _overflow_lines(result):
+        print(line)
     print('wrote %s' % ', '.join(paths))
     return 0
+
+
+@contextlib.contextmanager
+def _library_log(quiet):
+    """mx_lbsgd's overflow reports (a skipped step's, at most one per 30 s) and warnings
+    on stderr while a run trains, unless quiet."""
+    if quiet:
+        yield
+        return
+    log = logging.getLogger('mx_lbsgd')
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter('mx_lbsgd %(levelname)s: %(message)s'))
+    handler.addFilter(lambda record: record.levelno >= logging.WARNING
+                      or hasattr(record, 'overflow_report'))    # not the scale's growths
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+def _overflow_lines(result):
+    """Which parameters overflowed in the skipped steps, and the falling-scale warnings."""
+    top = result['overflow_top_offenders']
+    if not top:
+        return []
+    lines = ['overflowed most in the %d skipped steps: %s (steps.csv: overflow_parameters, '
+             'overflow_micro_batch)' % (result['skipped_steps'], ', '.join(
+                 '%s in %d' % (name, n) for name, n in top))]
+    for w in result['loss_scale_warnings']:
+        lines.append('loss scale warning at step %d: %s' % (w['step'], w['message']))
+    return lines
 
 
 def _result_line(result):
