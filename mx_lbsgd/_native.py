@@ -2,7 +2,8 @@
 
 ``pip install`` builds ``mx_lbsgd/_native_ops*.so`` where a C++ compiler and MXNet's
 ``lib_api.h`` are found; `ops` loads it with the public ``mx.library.load``, which adds
-``mx.nd.mx_lbsgd_sum_sq``, ``mx.nd.mx_lbsgd_sgd_update`` and ``mx.nd.mx_lbsgd_lamb_update``.
+``mx.nd.mx_lbsgd_sum_sq``, ``mx.nd.mx_lbsgd_all_finite``, ``mx.nd.mx_lbsgd_sgd_update`` and
+``mx.nd.mx_lbsgd_lamb_update``.
 Without the library, or with ``MX_LBSGD_NATIVE=0``, `ops` returns None and the kernel
 families run MXNet's own operators; ``MX_LBSGD_NATIVE=1`` makes a missing library an error
 (CI uses it to test the built path).
@@ -22,6 +23,7 @@ class _Ops:
     def __init__(self, path):
         self.path = path
         self.sum_sq = mx.nd.mx_lbsgd_sum_sq
+        self.all_finite = mx.nd.mx_lbsgd_all_finite
         self.sgd_update = mx.nd.mx_lbsgd_sgd_update
         self.lamb_update = mx.nd.mx_lbsgd_lamb_update
 
@@ -66,6 +68,6 @@ def _load():
                            "it); reinstall with g++ available, or unset MX_LBSGD_NATIVE")
     if setting == '0' or path is None:
         return None
-    if not hasattr(mx.nd, 'mx_lbsgd_lamb_update'):
+    if not hasattr(mx.nd, 'mx_lbsgd_all_finite'):
         mx.library.load(path, verbose=False)
     return _Ops(path)

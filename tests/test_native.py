@@ -37,6 +37,47 @@ def test_sum_sq_equals_float64_numpy(dtype):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+FINITE_CASES = [
+    pytest.param(None, id='all-finite'),
+    pytest.param((1, 12345, np.inf), id='inf-mid-big-tensor'),
+    pytest.param((1, 70000, -np.inf), id='minus-inf-last-element'),
+    pytest.param((4, 0, np.nan), id='nan-in-big-tensor-first'),
+    pytest.param((5, 0, np.nan), id='nan-in-last-tensor'),
+    pytest.param((0, 14, np.inf), id='inf-first-tensor'),
+]
+
+
+@needs_native
+@pytest.mark.parametrize('bad', FINITE_CASES)
+@pytest.mark.parametrize('dtypes', [pytest.param(('float32',), id='fp32'),
+                                    pytest.param(('float16',), id='fp16'),
+                                    pytest.param(('float16', 'float32'), id='mixed')])
+def test_all_finite_equals_numpy(bad, dtypes):
+    xs = [x.astype(dtypes[i % len(dtypes)]) for i, x in enumerate(_arrays('float32', seed=3))]
+    xs[2][0] = np.finfo(xs[2].dtype).max                 # the largest finite value
+    xs[3].flat[0] = np.finfo(xs[3].dtype).tiny / 2       # a subnormal
+    if bad is not None:
+        which, at, value = bad
+        xs[which].flat[at] = value
+    got = OPS.all_finite(*[nd.array(x, dtype=x.dtype) for x in xs], num_arrays=len(xs))
+    want = float(all(np.isfinite(x).all() for x in xs))
+    assert got.shape == (1,) and got.dtype == np.float32
+    assert got.asnumpy().tolist() == [want]
+
+
+@needs_native
+def test_finite_flag_is_one_native_launch_on_cpu():
+    grads = [nd.array(x) for x in _arrays('float32')] + \
+        [nd.array(x, dtype='float16') for x in _arrays('float16', seed=1)]
+    with count_kernel_launches() as launches, count_host_syncs() as syncs:
+        flag = mx_lbsgd._kernels.finite_flag(grads, None)
+    # MXNet's operators would need a call per dtype at least, and one per big array
+    assert len(launches) == 1 and syncs == []
+    assert flag.asscalar() == 1.0
+    grads[7][0] = np.nan
+    assert mx_lbsgd._kernels.finite_flag(grads, None).asscalar() == 0.0
+
+
 LAMB_CASES = [
     pytest.param(dict(clip=None, bounds=(None, None), bias_correction=True, rescale=1.0,
                       applies=[1] * 6), id='plain'),

@@ -1,8 +1,13 @@
-"""Sums of squares (the norms LARS, LAMB and the noise-scale monitor need) on CPU: the
-package's native operator against MXNet's ``multi_sum_sq`` and ``norm``.
+"""The reductions of an optimizer step on CPU: sums of squares (the norms LARS, LAMB and
+the noise-scale monitor need), the package's native operator against MXNet's
+``multi_sum_sq`` and ``norm``; and the finite check of a loss-scaled step with its one host
+read, the native ``mx_lbsgd_all_finite`` against MXNet's ``multi_all_finite`` and
+``all_finite``.
 
-ResNet-50 v1's 193 trainable tensors (25.6M parameters), float32 and float16; the candidates
-take turns round after round, each call timed with the engine drained after it; medians.
+ResNet-50 v1's 193 trainable tensors (25.6M parameters), float32 and float16, and for the
+finite check also the 20-tensor small model of bench_shapes (96,960 parameters); the
+candidates take turns round after round, each call timed with the engine drained after it;
+medians.
 
     python -m mx_lbsgd.demo.bench_norms [--rounds 10] [--json F]
     python benchmarks/bench_norms.py ...
@@ -15,12 +20,13 @@ import numpy as np
 import mxnet as mx
 
 import mx_lbsgd
+from mx_lbsgd.demo.bench_shapes import SMALL_MODEL
 from mx_lbsgd.demo.bench_step import machine, resnet50_shapes, save_json
 
 __all__ = ['run', 'main']
 
 
-def _candidates(arrays):
+def _sums_of_squares(arrays):
     n = len(arrays)
     cands = {'mxnet multi_sum_sq': lambda: [mx.nd.multi_sum_sq(*arrays[i:i + 60],
                                                                num_arrays=len(arrays[i:i + 60]))
@@ -31,26 +37,61 @@ def _candidates(arrays):
     return cands
 
 
+def _finite_checks(arrays):
+    """Each candidate ends with the host read a loss-scaled step makes of its flag."""
+    n = len(arrays)
+
+    def multi():
+        flag = mx.nd.empty((1,))
+        for i in range(0, n, 200):
+            chunk = arrays[i:i + 200]
+            mx.nd.multi_all_finite(*chunk, num_arrays=len(chunk), init_output=i == 0, out=flag)
+        return flag.asnumpy()
+
+    def single():
+        flag = mx.nd.empty((1,))
+        for i, a in enumerate(arrays):
+            mx.nd.all_finite(a, init_output=i == 0, out=flag)
+        return flag.asnumpy()
+
+    cands = {'mxnet multi_all_finite + read': multi, 'mxnet all_finite (per tensor) + read':
+             single}
+    if mx_lbsgd.native_library() is not None:
+        cands['native mx_lbsgd_all_finite + read'] = \
+            lambda: mx.nd.mx_lbsgd_all_finite(*arrays, num_arrays=n).asnumpy()
+    return cands
+
+
+def _time(cands, rounds):
+    times = {name: [] for name in cands}
+    for _ in range(rounds + 1):              # the first round warms up
+        for name, call in cands.items():
+            start = time.perf_counter()
+            call()
+            mx.nd.waitall()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(ts[1:]) for name, ts in times.items()}
+
+
 def run(rounds, seed=0):
     rng = np.random.RandomState(seed)
-    shapes = [s for _, s in resnet50_shapes()]
+    models = [('resnet50', [s for _, s in resnet50_shapes()]),
+              ('small', [s for _, s in SMALL_MODEL])]
     results = []
-    for dtype in ('float32', 'float16'):
-        arrays = [mx.nd.array(rng.uniform(-1, 1, s), dtype=dtype) for s in shapes]
-        nbytes = sum(a.size for a in arrays) * np.dtype(dtype).itemsize
-        cands = _candidates(arrays)
-        times = {name: [] for name in cands}
-        for _ in range(rounds + 1):              # the first round warms up
-            for name, call in cands.items():
-                start = time.perf_counter()
-                call()
-                mx.nd.waitall()
-                times[name].append(time.perf_counter() - start)
-        for name, ts in times.items():
-            ms = 1e3 * statistics.median(ts[1:])
-            results.append(dict(dtype=dtype, name=name, ms=ms, gb_per_s=nbytes / ms / 1e6))
-    return dict(machine=machine(), tensors=len(shapes),
-                parameters=int(sum(np.prod(s) for s in shapes)), results=results)
+    for model, shapes in models:
+        for dtype in ('float32', 'float16'):
+            arrays = [mx.nd.array(rng.uniform(-1, 1, s), dtype=dtype) for s in shapes]
+            nbytes = sum(a.size for a in arrays) * np.dtype(dtype).itemsize
+            work = [('finite check', _finite_checks(arrays))]
+            if model == 'resnet50':
+                work.insert(0, ('sum of squares', _sums_of_squares(arrays)))
+            for what, cands in work:
+                for name, ms in _time(cands, rounds).items():
+                    results.append(dict(model=model, tensors=len(shapes), dtype=dtype,
+                                        what=what, name=name, ms=ms,
+                                        gb_per_s=nbytes / ms / 1e6))
+    return dict(machine=machine(), models={m: dict(tensors=len(s), parameters=int(
+        sum(np.prod(x) for x in s))) for m, s in models}, results=results)
 
 
 def main(argv=None):
@@ -62,11 +103,14 @@ def main(argv=None):
         p.error('argument --rounds: must be >= 1, got %d' % args.rounds)
     out = run(args.rounds)
     print(out['machine'])
-    print('%d tensors, %d parameters; median of %d rounds' % (out['tensors'], out['parameters'],
-                                                              args.rounds))
-    print('%-8s %-26s %9s %8s' % ('dtype', 'sum of squares', 'ms', 'GB/s'))
+    for model, size in out['models'].items():
+        print('%s: %d tensors, %d parameters' % (model, size['tensors'], size['parameters']))
+    print('median of %d rounds' % args.rounds)
+    print('%-9s %-8s %-15s %-38s %9s %8s' % ('model', 'dtype', 'what', 'candidate', 'ms',
+                                             'GB/s'))
     for r in out['results']:
-        print('%-8s %-26s %9.1f %8.1f' % (r['dtype'], r['name'], r['ms'], r['gb_per_s']))
+        print('%-9s %-8s %-15s %-38s %9.2f %8.2f' % (r['model'], r['dtype'], r['what'],
+                                                    r['name'], r['ms'], r['gb_per_s']))
     save_json(args.json, out)
     return 0
 
