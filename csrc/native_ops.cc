@@ -95,6 +95,10 @@ struct Split {
   explicit Split(const std::vector<int64_t>& sizes) : start(sizes.size() + 1, 0) {
     for (size_t i = 0; i < sizes.size(); ++i) start[i + 1] = start[i] + sizes[i];
   }
+  // over the first n inputs
+  Split(const std::vector<MXTensor>& in, size_t n) : start(n + 1, 0) {
+    for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + in[i].size();
+  }
   int threads() const {
     return start.back() < kParallelMin ? 1 : std::max(1, omp_get_max_threads());
   }
@@ -276,9 +280,7 @@ MXReturnValue sgd_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   const SgdBlock block = l.momentum ? pick_sgd_block<true, true>(h.clip >= 0.f)
       : l.preloaded ? pick_sgd_block<false, true>(h.clip >= 0.f)
                     : pick_sgd_block<false, false>(h.clip >= 0.f);
-  std::vector<int64_t> sizes(n);
-  for (size_t i = 0; i < n; ++i) sizes[i] = (*in)[i].size();
-  const Split split(sizes);
+  const Split split(*in, n);
   const int nt = split.threads();
 #pragma omp parallel num_threads(nt)
   {
@@ -332,9 +334,7 @@ MXReturnValue sum_sq_shape(const Attrs& attrs, std::vector<std::vector<unsigned>
 MXReturnValue sum_sq_forward(const Attrs& attrs, std::vector<MXTensor>* in,
                              std::vector<MXTensor>* out, const OpResource&) {
   const size_t n = in->size();
-  std::vector<int64_t> sizes(n);
-  for (size_t i = 0; i < n; ++i) sizes[i] = (*in)[i].size();
-  const Split split(sizes);
+  const Split split(*in, n);
   const int nt = split.threads();
   std::vector<double> part(static_cast<size_t>(nt) * n, 0.0);
 #pragma omp parallel num_threads(nt)
@@ -384,9 +384,7 @@ HOT int block_has_nonfinite(const Bits* x, int64_t n) {
 MXReturnValue finite_forward(const Attrs&, std::vector<MXTensor>* in,
                              std::vector<MXTensor>* out, const OpResource&) {
   const size_t n = in->size();
-  std::vector<int64_t> sizes(n);
-  for (size_t i = 0; i < n; ++i) sizes[i] = (*in)[i].size();
-  const Split split(sizes);
+  const Split split(*in, n);
   const int nt = split.threads();
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(| : bad)

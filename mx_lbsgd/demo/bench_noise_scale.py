@@ -11,6 +11,7 @@ Operator calls and host reads per micro-batch are counted too (a count does not 
 the machine's load, a time does).
 
     python -m mx_lbsgd.demo.bench_noise_scale [--rounds 61] [--steps 160] [--interval 10]
+                                              [--small-every K]
     python benchmarks/bench_noise_scale.py ...
 """
 import argparse
@@ -40,11 +41,12 @@ def default_config():
 class _Setup:
     """One net and trainer of `cfg`, optionally watched; steps through `batches`."""
 
-    def __init__(self, cfg, batches, steps_per_epoch, interval):
+    def __init__(self, cfg, batches, steps_per_epoch, interval, small_every=None):
         self.net = mlp(tuple(cfg.hidden), dtype=cfg.dtype, seed=cfg.seed)
         self.net.hybridize(static_alloc=True)
         self.trainer, _, self.scaler = build(cfg, self.net, steps_per_epoch)
-        self.monitor = (mx_lbsgd.GradientNoiseScale(self.trainer, interval=interval)
+        self.monitor = (mx_lbsgd.GradientNoiseScale(self.trainer, interval=interval,
+                                                    small_every=small_every)
                         if interval else None)
         self.loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
         self.batches, self.batch_size, self.position = batches, cfg.batch_size, 0
@@ -82,12 +84,13 @@ def _batches(cfg):
              mx.nd.array(y[i * cfg.batch_size:(i + 1) * cfg.batch_size])) for i in range(n)], n
 
 
-def run(rounds=61, steps=160, interval=NOISE_SCALE_INTERVAL, warmup_rounds=2):
+def run(rounds=61, steps=160, interval=NOISE_SCALE_INTERVAL, warmup_rounds=2,
+        small_every=None):
     """The timings and their ratio (dict)."""
     cfg = default_config()
     batches, per_epoch = _batches(cfg)
     plain = _Setup(cfg, batches, per_epoch, 0)
-    watched = _Setup(cfg, batches, per_epoch, interval)
+    watched = _Setup(cfg, batches, per_epoch, interval, small_every)
     for r in range(warmup_rounds + rounds):
         for setup in ((plain, watched) if r % 2 == 0 else (watched, plain)):
             setup.round(steps)
@@ -99,7 +102,8 @@ def run(rounds=61, steps=160, interval=NOISE_SCALE_INTERVAL, warmup_rounds=2):
     same = all((a.data().asnumpy() == b.data().asnumpy()).all() for a, b in zip(
         plain.net.collect_params().values(), watched.net.collect_params().values()))
     return dict(machine=machine(), rounds=rounds, steps_per_round=steps,
-                interval=interval, batch_size=cfg.batch_size, batch_scale=cfg.batch_scale,
+                interval=interval, small_every=small_every, batch_size=cfg.batch_size,
+                batch_scale=cfg.batch_scale,
                 dtype=cfg.dtype,
                 ms_per_step_plain=1e3 * statistics.median(plain.times) / steps,
                 ms_per_step_watched=1e3 * statistics.median(watched.times) / steps,
@@ -118,17 +122,22 @@ def main(argv=None):
     p.add_argument('--steps', type=number(int, 1), default=160,
                    help='micro-batches per round (default 160: 20 updates, 2 host reads)')
     p.add_argument('--interval', type=number(int, 1), default=NOISE_SCALE_INTERVAL)
+    p.add_argument('--small-every', type=number(int, 1), default=None,
+                   help="the monitor's small_every (default: the first micro-batch of each "
+                        'window; 1: every micro-batch)')
     p.add_argument('--json', help='write the results here')
     args = p.parse_args(argv)
-    out = run(args.rounds, args.steps, args.interval)
+    out = run(args.rounds, args.steps, args.interval, small_every=args.small_every)
     print(out['machine'])
     print('mx-lbsgd train main run step: %s MLP, micro-batch %d x batch_scale %d, dynamic '
           'loss scaling, lbsgd linear warmup; %d interleaved rounds of %d micro-batches'
           % (out['dtype'], out['batch_size'], out['batch_scale'], out['rounds'],
              out['steps_per_round']))
-    print('without monitor %.3f ms/step, with (interval %d) %.3f ms/step; ratio %.3f '
+    print('without monitor %.3f ms/step, with (interval %d%s) %.3f ms/step; ratio %.3f '
           '(median of per-round ratios; min %.3f, max %.3f): cost %+.1f%%; weights equal: %s'
-          % (out['ms_per_step_plain'], out['interval'], out['ms_per_step_watched'],
+          % (out['ms_per_step_plain'], out['interval'],
+             '' if args.small_every is None else ', small_every %d' % args.small_every,
+             out['ms_per_step_watched'],
              out['ratio'], out['ratio_min'], out['ratio_max'], 100 * (out['ratio'] - 1),
              out['weights_equal']))
     print('process CPU time (all threads), median of per-round ratios: %.3f (cost %+.1f%%); '
