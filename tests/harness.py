@@ -47,3 +47,25 @@ def mlp(hidden=64, seed=0):
 def accuracy(net, x, y):
     pred = net(mx.nd.array(x)).argmax(axis=1).asnumpy()
     return float(np.mean(pred == y))
+
+
+#: What MXNet's SIGSEGV handler prints when a worker dies; Horovod 0.28 + MXNet 1.9.1 jobs
+#: showed it rarely (3 times in about 400 two-rank jobs, at no fixed place), cause unknown.
+_WORKER_SEGFAULT = 'Segmentation fault: 11'
+
+
+def horovodrun(argv, **kwargs):
+    """subprocess.run(argv, **kwargs) of a horovodrun job. A job a worker left with MXNet's
+    segfault message is run once more, with a warning that carries the first attempt's
+    output (so the crash stays visible in the test report); any other failure is returned
+    as it is, and the retried job's result is asserted like any other."""
+    import subprocess
+    import warnings
+    proc = subprocess.run(argv, **kwargs)
+    output = (proc.stdout or '') + (proc.stderr or '')
+    if proc.returncode != 0 and _WORKER_SEGFAULT in output:
+        warnings.warn('a horovodrun worker segfaulted; running the job once more. First '
+                      'attempt (exit %d), last lines:\n%s'
+                      % (proc.returncode, '\n'.join(output.splitlines()[-15:])))
+        proc = subprocess.run(argv, **kwargs)
+    return proc

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip('horovod.mxnet')
 
+from harness import horovodrun  # noqa: E402
 from test_kvstore import SCALED, WARMUP, assert_same, config, reference  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dist_worker.py')
@@ -22,10 +23,10 @@ HOROVODRUN = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
 def run_job(cfg, tmp_path, timeout=120):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
         os.path.dirname(os.path.dirname(WORKER)), os.environ.get('PYTHONPATH')])))
-    proc = subprocess.run([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
-                           sys.executable, WORKER, json.dumps(cfg), str(tmp_path)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, env=env)
+    proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
+                       sys.executable, WORKER, json.dumps(cfg), str(tmp_path)],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      timeout=timeout, env=env)
     return proc.returncode, proc.stdout
 
 
@@ -157,11 +158,11 @@ def test_mx_lbsgd_train_under_horovodrun(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
         os.path.dirname(os.path.dirname(WORKER)), os.environ.get('PYTHONPATH')])))
     out = tmp_path / 'run'
-    proc = subprocess.run([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
-                           sys.executable, '-m', 'mx_lbsgd', 'train', '--kvstore', 'horovod',
-                           '--epochs', '3', '--batch-scale', '2', '--out', str(out)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=180, env=env, cwd=str(tmp_path))
+    proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
+                       sys.executable, '-m', 'mx_lbsgd', 'train', '--kvstore', 'horovod',
+                       '--epochs', '3', '--batch-scale', '2', '--out', str(out)],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      timeout=180, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['final_test_acc'] > 0.5 and summary['num_workers'] == 2

@@ -15,6 +15,7 @@ import mx_lbsgd
 from mx_lbsgd import checkpoint
 from mx_lbsgd.demo import mlm
 from mx_lbsgd.demo.cli import main
+from harness import horovodrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
@@ -175,11 +176,11 @@ HOROVOD = [
 def _horovodrun(argv, cwd):
     pytest.importorskip('horovod.mxnet', reason='horovod with MXNet support is not installed '
                                                 '(bash scripts/install_horovod.sh)')
-    proc = subprocess.run([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
-                           sys.executable, '-m', 'mx_lbsgd', 'mlm', '--horovod'] + argv,
-                          env=_env(OMP_NUM_THREADS='1'), cwd=str(cwd),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=180)
+    proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
+                       sys.executable, '-m', 'mx_lbsgd', 'mlm', '--horovod'] + argv,
+                      env=_env(OMP_NUM_THREADS='1'), cwd=str(cwd),
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      timeout=180)
     assert proc.returncode == 0, proc.stdout
     return proc.stdout
 

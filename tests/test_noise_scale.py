@@ -15,7 +15,7 @@ from mxnet import autograd, gluon, nd
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
 from mx_lbsgd.launch import launch
-from harness import digits, mlp
+from harness import digits, horovodrun, mlp
 from mx_lbsgd.demo.models import mlp as demo_mlp
 import noise_worker
 
@@ -66,10 +66,10 @@ def test_estimate_within_10_percent_on_dist_sync(tmp_path):
 def test_estimate_within_10_percent_under_horovod(tmp_path):
     pytest.importorskip('horovod.mxnet')
     cfg = dict(batch=8, kvstore='horovod', updates=300)
-    proc = subprocess.run([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
-                           sys.executable, WORKER, json.dumps(cfg), str(tmp_path)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=180, env=dict(os.environ, **_env()))
+    proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
+                       sys.executable, WORKER, json.dumps(cfg), str(tmp_path)],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      timeout=180, env=dict(os.environ, **_env()))
     assert proc.returncode == 0, proc.stdout[-3000:]
     for rank in range(2):
         with open(str(tmp_path / ('rank%d.json' % rank))) as f:

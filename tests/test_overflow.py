@@ -20,6 +20,7 @@ from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
 from mx_lbsgd.launch import launch
 
 import dist_worker
+from harness import horovodrun
 
 SHAPES = {'p0': (4, 3), 'p1': (5,), 'p2': (3, 3)}
 INIT = 64.0
@@ -417,10 +418,10 @@ def _job(cfg, tmp_path, kind):
         import subprocess
         pytest.importorskip('horovod.mxnet')
         run = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
-        proc = subprocess.run([run, '--gloo', '-np', '2', '-H', 'localhost:2', sys.executable,
-                               WORKER, json.dumps(cfg), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=150, env=dict(os.environ, **env))
+        proc = horovodrun([run, '--gloo', '-np', '2', '-H', 'localhost:2', sys.executable,
+                           WORKER, json.dumps(cfg), str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=150, env=dict(os.environ, **env))
         code, log = proc.returncode, proc.stdout
     assert code == 0, log
     return [json.load(open(str(tmp_path / ('rank%d.reports.json' % r)))) for r in range(2)]
