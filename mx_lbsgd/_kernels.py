@@ -175,8 +175,20 @@ def cast_into(array, dtype, scratch):
 
 
 _FINITE_PLANS = {}
-_NATIVE = object()                         # a finite_flag call of mx_lbsgd_all_finite
 _NATIVE_DTYPES = (np.float32, np.float16)
+
+
+def _check_one(arrays, flag, first):
+    nd.all_finite(arrays[0], init_output=first, out=flag)
+
+
+def _check_many(arrays, flag, first):
+    nd.multi_all_finite(*arrays, num_arrays=len(arrays), init_output=first, out=flag)
+
+
+def _check_native(arrays, flag, first):
+    # writes the whole flag (no AND with an earlier value), so it is planned first
+    _native.ops().all_finite(*arrays, num_arrays=len(arrays), out=flag)
 
 
 def finite_flag(arrays, fused):
@@ -203,14 +215,8 @@ def finite_flag(arrays, fused):
     flags = []
     for ctx, calls in plan[1]:
         flag = nd.empty((1,), ctx=ctx, dtype=np.float32)
-        for n, (single, chunk) in enumerate(calls):
-            if single is _NATIVE:
-                _native.ops().all_finite(*chunk, num_arrays=len(chunk), out=flag)
-            elif single is not None:
-                nd.all_finite(single, init_output=n == 0, out=flag)
-            else:
-                nd.multi_all_finite(*chunk, num_arrays=len(chunk), init_output=n == 0,
-                                    out=flag)
+        for n, (check, group) in enumerate(calls):
+            check(group, flag, n == 0)
         flags.append(flag)
     if not flags:
         return nd.ones((1,), dtype=np.float32)
@@ -221,8 +227,8 @@ def finite_flag(arrays, fused):
 
 
 def _finite_plan(arrays, fused):
-    """[(context, [(array, None) | (None, chunk of arrays) | (_NATIVE, arrays)])] for
-    `finite_flag`; a native call comes first in its context."""
+    """[(context, [(check, arrays)])] for `finite_flag`: `_check_native` (first in its
+    context), `_check_one` or `_check_many`."""
     groups = {}
     for a in arrays:
         if a.stype != 'default':
@@ -235,11 +241,11 @@ def _finite_plan(arrays, fused):
         if native and ctx.device_type == 'cpu':
             mine = [a for dtype in _NATIVE_DTYPES for a in by_dtype.pop(dtype, [])]
             if mine:
-                calls.append((_NATIVE, mine))
+                calls.append((_check_native, mine))
         for dtype, group in by_dtype.items():
             single, multi = route([a.size for a in group], ctx.device_type, fused, dtype)
-            calls += [(group[i], None) for i in single]
-            calls += [(None, chunk) for chunk in
+            calls += [(_check_one, [group[i]]) for i in single]
+            calls += [(_check_many, chunk) for chunk in
                       chunks([group[i] for i in multi], MAX_ARRAYS_PER_FINITE_CHECK)]
         plan.append((ctx, calls))
     return plan

@@ -1,4 +1,7 @@
 """MXNet-side helpers shared by the tests (the numpy side is reference.py)."""
+import subprocess
+import warnings
+
 import mxnet as mx
 import numpy as np
 
@@ -59,8 +62,6 @@ def horovodrun(argv, **kwargs):
     segfault message is run once more, with a warning that carries the first attempt's
     output (so the crash stays visible in the test report); any other failure is returned
     as it is, and the retried job's result is asserted like any other."""
-    import subprocess
-    import warnings
     proc = subprocess.run(argv, **kwargs)
     output = (proc.stdout or '') + (proc.stderr or '')
     if proc.returncode != 0 and _WORKER_SEGFAULT in output:
