@@ -583,18 +583,3 @@ def test_back_to_back_jobs_under_load(tmp_path, tag):
         launch_probe.stop(spinner)
         launch_probe.stop(stale)
     assert len(addresses) == 5
-
-
-def test_horovodrun_helper_retries_a_worker_segfault_once_and_nothing_else(tmp_path):
-    from harness import horovodrun
-    count = tmp_path / 'runs'
-    job = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); "
-           "n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1)); "
-           "print('Segmentation fault: 11' if n == 0 else 'done'); sys.exit(134 if n == 0 else 0)")
-    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with pytest.warns(UserWarning, match='segfaulted'):
-        proc = horovodrun([sys.executable, '-c', job, str(count)], **pipes)
-    assert proc.returncode == 0 and proc.stdout.strip() == 'done' and count.read_text() == '2'
-    refused = horovodrun([sys.executable, '-c', 'import sys; print("refused"); sys.exit(2)'],
-                         **pipes)
-    assert refused.returncode == 2 and refused.stdout.strip() == 'refused'
