@@ -13,6 +13,9 @@
 //       updating w, mom (and w32) in place: MXNet's sgd_update / sgd_mom_update (and mp_*)
 //       arithmetic in one pass over every tensor; with lr_vector (LARS rates on the
 //       device) the preloaded_multi_sgd_* arithmetic
+//   mx_lbsgd_accumulate(acc.., g..)                         -> (1,) float32 zero: one
+//       micro-batch of an accumulation window added into float32 accumulators (or the
+//       window's mean written back into the gradients), float16 gradients widened on the fly
 //   mx_lbsgd_lamb_update(w.., g.., mean.., var.. [, w32..]) -> (n,) float32 trust ratios,
 //       updating w, mean, var (and the fp32 master copies w32) in place. Per tensor:
 //         pass 1: mean, var <- moments of g; |w|^2 and |d|^2 of d = m/(sqrt(v)+eps) + wd*w
@@ -128,7 +131,8 @@ struct LambHyper {
 struct LambTensor {            // one tensor's arrays and constants
   float* w32;                  // the weights updated in float: master copy or w itself
   _Float16* w16;               // the float16 weights with a master copy, else null
-  const void* grad;            // float16 with a master copy, else float32
+  const void* grad;            // float16 or float32 with a master copy, else float32
+  bool grad_half;              // whether grad is float16
   float *mean, *var;
   float lr, wd;
   double mean_divisor;         // 1 - beta1^t (MXNet divides in double), or 1
@@ -232,11 +236,13 @@ MXReturnValue sgd_parse(const Attrs& attrs, int* num_in, int* num_out) {
 MXReturnValue sgd_type(const Attrs& attrs, std::vector<int>* in, std::vector<int>* out) {
   const SgdLayout l = sgd_layout(attrs);
   for (size_t j = 0; j < in->size(); ++j) {
-    const bool half = l.mp && j < l.moms();            // float16 weights and gradients
+    const bool half = l.mp && j < l.grads();           // float16 weights
+    // with master copies a gradient is float16, or float32 (an accumulated window)
+    const bool either = l.mp && j >= l.grads() && j < l.moms();
     const int want = half ? mxnet::ext::kFloat16 : mxnet::ext::kFloat32;
-    if ((*in)[j] != want) {
+    if ((*in)[j] != want && !(either && (*in)[j] == mxnet::ext::kFloat16)) {
       MX_ERROR_MSG << "mx_lbsgd_sgd_update: array " << j << " must be "
-                   << (half ? "float16" : "float32");
+                   << (half ? "float16" : either ? "float16 or float32" : "float32");
       return MX_FAIL;
     }
   }
@@ -289,7 +295,7 @@ MXReturnValue sgd_forward(const Attrs& attrs, std::vector<MXTensor>* in,
       float* w = (l.mp ? (*in)[l.masters() + i] : (*in)[i]).data<float>() + a;
       float* mom = l.momentum ? (*in)[l.moms() + i].data<float>() + a : nullptr;
       const float* g = (*in)[l.grads() + i].data<float>() + a;
-      if (l.mp) {
+      if ((*in)[l.grads() + i].dtype == mxnet::ext::kFloat16) {
         widen((*in)[l.grads() + i].data<_Float16>() + a, buffer, b - a);
         g = buffer;
       }
@@ -415,10 +421,13 @@ MXReturnValue lamb_type(const Attrs& attrs, std::vector<int>* in, std::vector<in
   const bool mp = lamb_arrays(attrs) == 5;
   for (size_t j = 0; j < in->size(); ++j) {
     const size_t kind = j / n;   // 0 w, 1 g, 2 mean, 3 var, 4 w32
-    const int want = (mp && kind < 2) ? mxnet::ext::kFloat16 : mxnet::ext::kFloat32;
-    if ((*in)[j] != want) {
+    const int want = (mp && kind == 0) ? mxnet::ext::kFloat16 : mxnet::ext::kFloat32;
+    // with master copies a gradient is float16, or float32 (an accumulated window)
+    const bool either = mp && kind == 1;
+    if ((*in)[j] != want && !(either && (*in)[j] == mxnet::ext::kFloat16)) {
       MX_ERROR_MSG << "mx_lbsgd_lamb_update: array " << j << " must be "
-                   << (want == mxnet::ext::kFloat16 ? "float16" : "float32");
+                   << (want == mxnet::ext::kFloat16 ? "float16"
+                       : either ? "float16 or float32" : "float32");
       return MX_FAIL;
     }
   }
@@ -471,6 +480,7 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
     p.w32 = (*in)[mp ? 4 * n + i : i].data<float>();
     p.w16 = mp ? (*in)[i].data<_Float16>() : nullptr;
     p.grad = (*in)[n + i].data_ptr;
+    p.grad_half = (*in)[n + i].dtype == mxnet::ext::kFloat16;
     p.mean = (*in)[2 * n + i].data<float>();
     p.var = (*in)[3 * n + i].data<float>();
     p.lr = static_cast<float>(lrs[i]);
@@ -492,7 +502,7 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
     split.each(t, nt, [&](size_t i, int64_t a, int64_t b) {
       const LambTensor& p = tensors[i];
       const float* g = static_cast<const float*>(p.grad) + a;
-      if (p.w16 != nullptr) {
+      if (p.grad_half) {
         widen(static_cast<const _Float16*>(p.grad) + a, buffer, b - a);
         g = buffer;
       }
@@ -525,6 +535,130 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   return MX_SUCCESS;
 }
 
+// ---- mx_lbsgd_accumulate -----------------------------------------------------------------
+//
+// One micro-batch of an accumulation window, every tensor in one call; float32
+// accumulators, float16 or float32 gradients (float16 widened on the fly). By `mode`:
+//   0 write: acc = factor * g                  (the window's first micro-batch)
+//   1 add:   acc = acc + factor * g
+//   2 mean:  g = the window's mean in g's dtype:
+//              float32 g: g = (1 - lr*wd) * g - lr * acc
+//              float16 g: g = half((acc + factor * g) * mean_factor)
+// The arithmetic is that of the MXNet operators the fallback runs (_mul_scalar, Cast,
+// sgd_update with lr=-1 as an axpy, and for float32 means sgd_update with the lr and wd
+// the caller computes), bit for bit.
+
+struct AccumulateHyper {
+  int mode;
+  float factor, lr, wd, mean_factor;
+};
+
+HOT void accumulate_block(const AccumulateHyper& h, float* acc, const float* g, int64_t n) {
+  const float neg_factor = -1.f * h.factor;     // sgd_update's (lr * rescale_grad), lr = -1
+  if (h.mode == 0) {
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) acc[k] = g[k] * h.factor;
+  } else {
+#pragma omp simd
+    for (int64_t k = 0; k < n; ++k) acc[k] = acc[k] - neg_factor * g[k];
+  }
+}
+
+HOT void mean_block_f32(const AccumulateHyper& h, const float* acc, float* g, int64_t n) {
+  const float keep = 1.f - h.lr * h.wd, lr = h.lr;
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) g[k] = keep * g[k] - lr * acc[k];
+}
+
+HOT void mean_block_f16(const AccumulateHyper& h, const float* acc, float* g, int64_t n) {
+  const float neg_factor = -1.f * h.factor;
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) g[k] = (acc[k] - neg_factor * g[k]) * h.mean_factor;
+}
+
+MXReturnValue accumulate_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  const int n = std::stoi(attrs.at("num_tensors")), mode = std::stoi(attrs.at("mode"));
+  *num_in = 2 * n;
+  *num_out = 1;
+  if (n > 0 && mode >= 0 && mode <= 2) return MX_SUCCESS;
+  MX_ERROR_MSG << "mx_lbsgd_accumulate: num_tensors must be > 0 and mode 0, 1 or 2";
+  return MX_FAIL;
+}
+
+MXReturnValue accumulate_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  const size_t n = in->size() / 2;
+  for (size_t j = 0; j < in->size(); ++j) {
+    const bool ok = (*in)[j] == mxnet::ext::kFloat32 ||
+                    (j >= n && (*in)[j] == mxnet::ext::kFloat16);
+    if (!ok) {
+      MX_ERROR_MSG << "mx_lbsgd_accumulate: array " << j << " must be "
+                   << (j < n ? "float32 (an accumulator)" : "float16 or float32 (a gradient)");
+      return MX_FAIL;
+    }
+  }
+  (*out)[0] = mxnet::ext::kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue accumulate_shape(const Attrs&, std::vector<std::vector<unsigned>>* in,
+                               std::vector<std::vector<unsigned>>* out) {
+  const size_t n = in->size() / 2;
+  for (size_t j = n; j < in->size(); ++j)
+    if ((*in)[j] != (*in)[j - n]) {
+      MX_ERROR_MSG << "mx_lbsgd_accumulate: gradient " << j - n
+                   << " differs in shape from its accumulator";
+      return MX_FAIL;
+    }
+  (*out)[0] = {1u};
+  return MX_SUCCESS;
+}
+
+MXReturnValue accumulate_mutate(const Attrs& attrs, std::vector<int>* indices) {
+  const int n = std::stoi(attrs.at("num_tensors"));
+  const int first = std::stoi(attrs.at("mode")) == 2 ? n : 0;   // the means go into g
+  for (int j = first; j < first + n; ++j) indices->push_back(j);
+  return MX_SUCCESS;
+}
+
+float float_attr(const Attrs& attrs, const char* key) {
+  const auto it = attrs.find(key);
+  return it == attrs.end() ? 0.f : std::stof(it->second);
+}
+
+MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
+                                 std::vector<MXTensor>* out, const OpResource&) {
+  const size_t n = in->size() / 2;
+  AccumulateHyper h;
+  h.mode = std::stoi(attrs.at("mode"));
+  h.factor = float_attr(attrs, "factor");
+  h.lr = float_attr(attrs, "lr");
+  h.wd = float_attr(attrs, "wd");
+  h.mean_factor = float_attr(attrs, "mean_factor");
+  const Split split(*in, n);
+  const int nt = split.threads();
+#pragma omp parallel num_threads(nt)
+  {
+    float buffer[kBlock];
+    split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+      float* acc = (*in)[i].data<float>() + a;
+      MXTensor& grad = (*in)[n + i];
+      const bool half = grad.dtype == mxnet::ext::kFloat16;
+      float* g = half ? buffer : grad.data<float>() + a;
+      if (half) widen(grad.data<_Float16>() + a, buffer, b - a);
+      if (h.mode < 2) {
+        accumulate_block(h, acc, g, b - a);
+      } else if (half) {
+        mean_block_f16(h, acc, g, b - a);
+        narrow(g, grad.data<_Float16>() + a, b - a);
+      } else {
+        mean_block_f32(h, acc, g, b - a);
+      }
+    });
+  }
+  (*out)[0].data<float>()[0] = 0.f;
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 REGISTER_OP(mx_lbsgd_sum_sq)
@@ -545,6 +679,13 @@ REGISTER_OP(mx_lbsgd_sgd_update)
     .setInferShape(sgd_shape)
     .setMutateInputs(sgd_mutate)
     .setForward(sgd_forward, "cpu");
+
+REGISTER_OP(mx_lbsgd_accumulate)
+    .setParseAttrs(accumulate_parse)
+    .setInferType(accumulate_type)
+    .setInferShape(accumulate_shape)
+    .setMutateInputs(accumulate_mutate)
+    .setForward(accumulate_forward, "cpu");
 
 REGISTER_OP(mx_lbsgd_lamb_update)
     .setParseAttrs(lamb_parse)

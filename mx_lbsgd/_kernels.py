@@ -126,11 +126,16 @@ def lars_lrs(*, weights, grads, lrs, wds, keep_lr, eta, eps, rescale_grad, lars_
 def accumulate(*, accs, grads, first, factor, scratch):
     """accs[i] = factor * grads[i] (first micro-batch of a window) or += factor * grads[i].
 
-    Accumulators are float32 (or wider); a float16 gradient is cast through `scratch` (see
-    `cast_into`). ``sgd_update`` with lr=-1, wd=0 and rescale_grad=factor is an in-place
-    axpy, so scaling costs no extra pass.
+    Accumulators are float32 (or wider). On CPU with the native operators, one
+    ``mx_lbsgd_accumulate`` call per context over every float32 accumulator (float16
+    gradients widened on the fly, no host sync). Otherwise per tensor: a float16 gradient
+    is cast through `scratch` (see `cast_into`), and ``sgd_update`` with lr=-1, wd=0 and
+    rescale_grad=factor is an in-place axpy, so scaling costs no extra pass. Both give the
+    same bits.
     """
-    for acc, grad in zip(accs, grads):
+    rest = _native_window_call(accs, grads, mode=0 if first else 1, factor=factor)
+    for j in rest:
+        acc, grad = accs[j], grads[j]
         if first:
             if grad.dtype == acc.dtype:
                 _compat.mul_scalar(grad, scalar=factor, out=acc)
@@ -147,18 +152,60 @@ def accumulate(*, accs, grads, first, factor, scratch):
 def write_mean(*, grads, accs, factor, mean_factor, scratch):
     """grads[i] = mean_factor * (accs[i] + factor * grads[i]) in the gradient's dtype: the
     accumulated window written back into the gradient buffers, ready to be communicated
-    once."""
-    for acc, grad in zip(accs, grads):
+    once. One native call per context on CPU (as `accumulate`), else per tensor."""
+    # one pass for a float32 gradient: sgd_update gives (1 - lr*wd) * grad - lr * acc,
+    # which with lr = -m and wd = (m*factor - 1)/m is m * (acc + factor * grad)
+    m = mean_factor
+    lr, wd = -m, (m * factor - 1.0) / m
+    rest = _native_window_call(accs, grads, mode=2, factor=factor, lr=lr, wd=wd,
+                               mean_factor=mean_factor)
+    for j in rest:
+        acc, grad = accs[j], grads[j]
         if acc.dtype == grad.dtype:
-            # one pass: sgd_update gives (1 - lr*wd) * grad - lr * acc, which with
-            # lr = -m and wd = (m*factor - 1)/m is m * (acc + factor * grad)
-            m = mean_factor
-            nd.sgd_update(grad, acc, out=grad, lr=-m, wd=(m * factor - 1.0) / m,
-                          rescale_grad=1.0)
+            nd.sgd_update(grad, acc, out=grad, lr=lr, wd=wd, rescale_grad=1.0)
         else:
             accumulate(accs=[acc], grads=[grad], first=False, factor=factor, scratch=scratch)
             _compat.mul_scalar(acc, scalar=mean_factor, out=acc)
             nd.Cast(acc, dtype=grad.dtype, out=grad)
+
+
+_WINDOW_PLANS = {}
+
+
+def _native_window_call(accs, grads, mode, **attrs):
+    """Run ``mx_lbsgd_accumulate`` (`mode` 0 write, 1 add, 2 mean) once per context over
+    the tensors it takes; return the positions left to MXNet's operators. The grouping is
+    computed once per tuple of arrays (a Trainer hands the same buffers every step)."""
+    if _native.ops() is None:
+        return range(len(accs))
+    key = tuple(id(a) for a in accs) + tuple(id(g) for g in grads)
+    plan = _WINDOW_PLANS.get(key)
+    if plan is None or any(a is not b for a, b in zip(plan[0], list(accs) + list(grads))):
+        plan = (list(accs) + list(grads), _window_plan(accs, grads))
+        _WINDOW_PLANS[key] = plan
+        if len(_WINDOW_PLANS) > 64:          # bound the cache (changing gradient sets)
+            _WINDOW_PLANS.pop(next(iter(_WINDOW_PLANS)))
+    groups, rest = plan[1]
+    call = _native.ops().accumulate
+    for group_accs, group_grads in groups:
+        call(*group_accs, *group_grads, num_tensors=len(group_accs), mode=mode, **attrs)
+    return rest
+
+
+def _window_plan(accs, grads):
+    """([(accumulators, gradients) per CPU context], positions the native operator does
+    not take: non-float32 accumulators, other gradient dtypes, sparse storage, GPUs)."""
+    groups, rest = {}, []
+    for j, (acc, grad) in enumerate(zip(accs, grads)):
+        if (acc.context.device_type == 'cpu' and grad.context == acc.context
+                and acc.dtype == np.float32 and grad.dtype in _NATIVE_DTYPES
+                and acc.stype == 'default' and grad.stype == 'default'):
+            group = groups.setdefault(acc.context, ([], []))
+            group[0].append(acc)
+            group[1].append(grad)
+        else:
+            rest.append(j)
+    return list(groups.values()), rest
 
 
 def cast_into(array, dtype, scratch):

@@ -16,14 +16,17 @@ Three kernels share one keyword-only signature:
 
 - `_native_lamb`: the package's compiled ``mx_lbsgd_lamb_update`` (``csrc/native_ops.cc``),
   all tensors in one call and two passes over memory, norms included. It takes float32
-  weights, or float16 weights with fp32 master copies, on CPU, when ``pip install`` built
+  weights, or float16 weights with fp32 master copies (and float16 gradients, or float32
+  ones: an accumulated window), on CPU, when ``pip install`` built
   the library; the shell routes every such group to it unless ``fused`` forces a path.
 - `_single_tensor_lamb`: MXNet's ``lamb_update_phase1``/``phase2`` per tensor (on the fp32
   master copy when there is one: MXNet 1.9.1's ``mp_lamb_update_phase2`` never writes the
   master copy, so ``mx.optimizer.LAMB`` with ``aggregate_num=1`` and fp16 weights keeps its
   master copy at the initial weights).
 - `_multi_tensor_lamb`: ``multi_lamb_update`` / ``multi_mp_lamb_update`` (at most 45
-  tensors a call; the GPU path). The trust ratio lives inside MXNet's kernels, so here a
+  tensors a call; the GPU path). ``multi_mp_lamb_update`` takes float16 gradients only, so
+  float32 ones (an accumulated window) update the master copies with ``multi_lamb_update``,
+  which are then cast into the float16 weights. The trust ratio lives inside MXNet's kernels, so here a
   layer excluded from it takes the per-tensor path, which passes zero norms (MXNet's
   phase2 then keeps lr).
 
@@ -176,16 +179,24 @@ def _multi_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, rati
         kwargs['clip_gradient'] = clip_gradient
     means = [s[0] for s in states]
     variances = [s[1] for s in states]
+    # multi_mp_lamb_update takes gradients of the weights' dtype only: float32 gradients
+    # of float16 weights (an accumulated window) update the master copies with the float32
+    # kernel, then the weights get the master copies cast to float16
+    cast_down = masters[0] is not None and grads[0].dtype != weights[0].dtype
+    targets = masters if cast_down else weights
     for start in range(0, len(weights), MAX_TENSORS_PER_KERNEL):
         part = slice(start, start + MAX_TENSORS_PER_KERNEL)
-        common = dict(out=weights[part], step_count=steps[part], lrs=lrs[part],
+        common = dict(out=targets[part], step_count=steps[part], lrs=lrs[part],
                       wds=wds[part], **kwargs)
-        if masters[0] is None:
-            nd.contrib.multi_lamb_update(weights[part], grads[part], means[part],
+        if masters[0] is None or cast_down:
+            nd.contrib.multi_lamb_update(targets[part], grads[part], means[part],
                                          variances[part], **common)
         else:
             nd.contrib.multi_mp_lamb_update(weights[part], grads[part], means[part],
                                             variances[part], masters[part], **common)
+    if cast_down:
+        for w, w32 in zip(weights, masters):
+            nd.Cast(w32, dtype=w.dtype, out=w)
 
 
 LAMBFamily.single_tensor = staticmethod(_single_tensor_lamb)

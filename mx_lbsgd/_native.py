@@ -2,8 +2,8 @@
 
 ``pip install`` builds ``mx_lbsgd/_native_ops*.so`` where a C++ compiler and MXNet's
 ``lib_api.h`` are found; `ops` loads it with the public ``mx.library.load``, which adds
-``mx.nd.mx_lbsgd_sum_sq``, ``mx.nd.mx_lbsgd_all_finite``, ``mx.nd.mx_lbsgd_sgd_update`` and
-``mx.nd.mx_lbsgd_lamb_update``.
+``mx.nd.mx_lbsgd_sum_sq``, ``mx.nd.mx_lbsgd_all_finite``, ``mx.nd.mx_lbsgd_sgd_update``,
+``mx.nd.mx_lbsgd_lamb_update`` and ``mx.nd.mx_lbsgd_accumulate``.
 Without the library, or with ``MX_LBSGD_NATIVE=0``, `ops` returns None and the kernel
 families run MXNet's own operators; ``MX_LBSGD_NATIVE=1`` makes a missing library an error
 (CI uses it to test the built path).
@@ -26,6 +26,7 @@ class _Ops:
         self.all_finite = mx.nd.mx_lbsgd_all_finite
         self.sgd_update = mx.nd.mx_lbsgd_sgd_update
         self.lamb_update = mx.nd.mx_lbsgd_lamb_update
+        self.accumulate = mx.nd.mx_lbsgd_accumulate
 
 
 def native_library():
@@ -68,6 +69,6 @@ def _load():
                            "it); reinstall with g++ available, or unset MX_LBSGD_NATIVE")
     if setting == '0' or path is None:
         return None
-    if not hasattr(mx.nd, 'mx_lbsgd_all_finite'):
+    if not hasattr(mx.nd, 'mx_lbsgd_accumulate'):
         mx.library.load(path, verbose=False)
     return _Ops(path)

@@ -115,14 +115,9 @@ def _native_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
                 rescale_grad, clip_gradient, scratch):  # pylint: disable=unused-argument
     """Every tensor in one call of the native ``mx_lbsgd_sgd_update``: one pass over
     memory, MXNet's arithmetic (``sgd_mom_update``, ``sgd_update``, and with LARS rates
-    ``preloaded_multi_sgd_*``), float16 gradients widened on the fly."""
+    ``preloaded_multi_sgd_*``), float16 gradients widened on the fly (float16 weights with
+    master copies take float16 or float32 gradients: an accumulated window)."""
     mp = masters[0] is not None
-    if mp and any(g.dtype != w.dtype for g, w in zip(grads, weights)):
-        # float32 gradients of float16 weights: the MXNet path casts them without loss
-        return _single_tensor_sgd(weights=weights, grads=grads, moms=moms, masters=masters,
-                                  lrs=lrs, wds=wds, lr_vector=lr_vector, momentum=momentum,
-                                  rescale_grad=rescale_grad, clip_gradient=clip_gradient,
-                                  scratch=scratch)
     with_mom = moms[0] is not None
     arrays = list(weights) + list(grads) + (list(moms) if with_mom else []) + \
         (list(masters) if mp else []) + ([lr_vector] if lr_vector is not None else [])
