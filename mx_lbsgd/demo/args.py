@@ -5,7 +5,8 @@ import os
 import tempfile
 
 __all__ = ['Parser', 'UsageError', 'number', 'DEMO_MODULES', 'DEMO_INSTALL', 'demo_missing',
-           'demo_error', 'require_demo', 'require_writable_dir']
+           'demo_error', 'require_demo', 'require_writable_dir', 'require_writable_file',
+           'write_or_keep', 'check_output_option']
 
 
 class Parser(argparse.ArgumentParser):
@@ -49,8 +50,9 @@ def require_demo(prog, modules=tuple(DEMO_MODULES), what='this command'):
         raise UsageError(demo_error(prog, missing, what))
 
 
-def require_writable_dir(prog, path):
-    """UsageError unless `path` is (or can be created as) a folder we can write into.
+def require_writable_dir(prog, path, option='--out'):
+    """UsageError naming `option` unless `path` is (or can be created as) a folder we can
+    write into.
 
     Probes by creating and removing a temporary folder in `path` or, if it does not exist
     yet, in its nearest existing ancestor, so nothing is left behind. (os.access is no
@@ -67,8 +69,56 @@ def require_writable_dir(prog, path):
                   else '%s is not a folder' % probe)
     except OSError as err:
         reason = 'cannot create a folder in %s (%s)' % (probe, err.strerror or err)
-    raise UsageError('%s: error: argument --out: %s is not writable: %s'
-                     % (prog, path, reason))
+    raise UsageError('%s: error: argument %s: %s is not writable: %s'
+                     % (prog, option, path, reason))
+
+
+def require_writable_file(prog, option, path):
+    """UsageError naming `option` unless file `path` can be written (its folder, created
+    when the file is written, may not exist yet).
+
+    Probes like require_writable_dir: a temporary file in the nearest existing folder,
+    removed at once; an existing `path` must be a file."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        reason = 'it is a folder'
+    else:
+        probe = os.path.dirname(target)
+        while not os.path.lexists(probe):
+            probe = os.path.dirname(probe)
+        try:
+            if not os.path.isdir(probe):
+                reason = '%s is not a folder' % probe
+            else:
+                fd, name = tempfile.mkstemp(prefix='.mx-lbsgd-probe-', dir=probe)
+                os.close(fd)
+                os.remove(name)
+                if not os.path.exists(target) or os.access(target, os.W_OK):
+                    return
+                reason = 'the file is read-only'
+        except OSError as err:
+            reason = 'cannot create a file in %s (%s)' % (probe, err.strerror or err)
+    raise UsageError('%s: error: argument %s: %s is not writable: %s'
+                     % (prog, option, path, reason))
+
+
+def write_or_keep(prog, option, path, write, keep_suffix):
+    """Call ``write(path)``; if that fails (the folder vanished or filled up after the
+    checks), call ``write(spare)`` with a new file in the temporary folder (name ending in
+    `keep_suffix`) and raise UsageError saying where the results went, so that work already
+    done is not lost. Returns `path`."""
+    try:
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        write(path)
+        return path
+    except OSError as err:
+        why = err.strerror or str(err)
+    fd, spare = tempfile.mkstemp(prefix='mx-lbsgd-', suffix=keep_suffix)
+    os.close(fd)
+    write(spare)
+    raise UsageError('%s: error: argument %s: could not write %s (%s); the results were '
+                     'kept in %s' % (prog, option, path, why, spare))
 
 
 def number(kind, low=None, high=None, open_low=False, open_high=False):
@@ -89,3 +139,13 @@ def number(kind, low=None, high=None, open_low=False, open_high=False):
                                              % ('<' if open_high else '<=', high, text))
         return value
     return parse
+
+
+def check_output_option(parser, option, path):
+    """Exit 2 with one line (``parser.exit``) unless file `path` given to `option` can be
+    written: for commands that are also run as ``python -m`` (the benchmarks)."""
+    if path:
+        try:
+            require_writable_file(parser.prog, option, path)
+        except UsageError as err:
+            parser.exit(2, '%s\n' % err)

@@ -33,7 +33,6 @@ ratios. Before timing, one untimed step checks every candidate against plain's w
 optimizer states (fp16: the fp32 master copies too); after every step a probe tensor must
 have moved (no step skipped for overflow).
 """
-import argparse
 import functools
 import os
 import pickle
@@ -50,6 +49,7 @@ import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
 
 from . import bench_step
+from .args import Parser, check_output_option, number
 
 __all__ = ['NAMES', 'run', 'targets', 'table', 'main']
 
@@ -253,16 +253,18 @@ def table(results):
     return '\n'.join(lines + [''] + ['Note: %s' % n for n in sorted(set(results['notes']))])
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None):
+    parser = Parser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument('--dtypes', nargs='+', default=['float32', 'float16'],
                         choices=['float32', 'float16'])
-    parser.add_argument('--rounds', type=int, default=8,
+    parser.add_argument('--rounds', type=number(int, 1), default=8,
                         help='rounds; each candidate times 2 steps per round')
-    parser.add_argument('--warmup', type=int, default=2, help='untimed steps per candidate')
+    parser.add_argument('--warmup', type=number(int, 0), default=2,
+                        help='untimed steps per candidate')
     parser.add_argument('--quick', action='store_true', help='first 20 tensors only')
     parser.add_argument('--json', help='write the results here')
     args = parser.parse_args(argv)
+    check_output_option(parser, '--json', args.json)
     load = os.getloadavg()[0]
     results = run(args.dtypes, args.rounds, args.warmup, args.quick)
     results['targets'] = targets(results)
@@ -272,7 +274,7 @@ def main(argv=None):
     print('ResNet-50 v1: %d tensors, %d parameters, batch %d, loss scale %g' % (
         results['tensors'], results['parameters'], BATCH, SCALE))
     print(table(results))
-    bench_step.save_json(args.json, results)
+    bench_step.save_json(args.json, results, parser.prog)
     return results
 
 

@@ -1,8 +1,7 @@
 """Optimizer step time against tensor count and shape, and the cost of loss scaling (CPU).
 
-    mx-lbsgd bench --shapes [--rounds 5] [--quick] [--dtypes float32 float16]
-                                      [--json F] [--plot docs/bench-shapes.png]
-                                      [--only sweep|resnet|loss-scale]
+    mx-lbsgd bench [--rounds 5] [--quick] [--dtypes float32 float16]
+                   [--json F] [--plot F.png] [--only sweep|resnet|loss-scale]
     python -m mx_lbsgd.demo.bench_shapes ...  (or python benchmarks/bench_shapes.py ...)
 
 Three sections, each timed on mx.cpu() with the engine drained (mx.nd.waitall) after every
@@ -31,7 +30,6 @@ the ratio within a round, so that the drift of a shared machine cancels out. Hos
    and marked fresh before every step, as backward would. One untimed step checks that the
    scaled candidates' weights match plain's. Target: <= 1.5x plain on the small model.
 """
-import argparse
 import functools
 import os
 import statistics
@@ -46,6 +44,7 @@ import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
 
 from . import bench_step
+from .args import Parser, UsageError, check_output_option, number, require_demo
 
 __all__ = ['SECTIONS', 'sweep', 'resnet', 'loss_scale', 'report', 'main']
 
@@ -402,9 +401,9 @@ def plot(sweep_results, path):
     plt.close(fig)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--rounds', type=int, default=5,
+def main(argv=None, prog=None):
+    parser = Parser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument('--rounds', type=number(int, 1), default=5,
                         help='interleaved rounds per measurement (sweep: 2 steps each; '
                              'resnet: 1 step, in each of the 3 LARS runs; loss-scale: 2 '
                              'steps, 20 on the small model)')
@@ -415,13 +414,21 @@ def main(argv=None):
     parser.add_argument('--dtypes', nargs='+', choices=['float32', 'float16'],
                         help='default: float32 float16 (--quick: float32)')
     parser.add_argument('--json', help='write the results here')
-    parser.add_argument('--plot', default=os.path.join('docs', 'bench-shapes.png'),
-                        help='ms/step vs tensor count plot (needs the sweep section); '
-                             "'' for none")
+    parser.add_argument('--plot', metavar='FILE.png',
+                        help='also plot ms/step vs tensor count into FILE.png (needs the '
+                             'sweep section and matplotlib; default: no plot)')
     parser.add_argument('--only', choices=SECTIONS, help='run one section only')
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error('--rounds must be >= 1')
+    if args.plot:
+        if args.only not in (None, 'sweep'):
+            parser.error('argument --plot: needs the sweep section, but --only is %s'
+                         % args.only)
+        try:
+            require_demo(parser.prog, ('matplotlib',), what='--plot')
+        except UsageError as err:
+            parser.exit(2, '%s\n' % err)
+        check_output_option(parser, '--plot', args.plot)
+    check_output_option(parser, '--json', args.json)
     dtypes = args.dtypes or (['float32'] if args.quick else ['float32', 'float16'])
     # (rounds, steps per round) by section; resnet: rounds per LARS run, 1 step each
     quick = min(args.rounds, 2)
@@ -452,10 +459,16 @@ def main(argv=None):
         seconds=round(time.perf_counter() - start, 1))
     print(report(results))
     print('machine: %s; seconds by section: %s' % (results['machine'], results['seconds']))
+    bench_step.save_json(args.json, results, parser.prog)     # the numbers first
     if args.plot and 'sweep' in results['sections']:
-        plot(results['sections']['sweep'], args.plot)
+        try:
+            plot(results['sections']['sweep'], args.plot)
+        except OSError as err:
+            parser.exit(2, '%s: error: argument --plot: could not write %s (%s); the '
+                        'tables above%s have the numbers\n' % (
+                            parser.prog, args.plot, err.strerror or err,
+                            ' and %s' % args.json if args.json else ''))
         print('plot: %s' % args.plot)
-    bench_step.save_json(args.json, results)
     return results
 
 

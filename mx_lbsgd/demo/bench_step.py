@@ -6,10 +6,9 @@ after it. The optimizers take turns, round after round, and every ratio is the m
 rounds of the ratio within a round, so that the drift of a shared machine cancels out.
 Host syncs and operator calls (kernel launches on a GPU) are counted per step.
 
-    mx-lbsgd bench [--dtypes float32 float16] [--rounds 8] [--json out.json]
+    mx-lbsgd bench --step [--dtypes float32 float16] [--rounds 8] [--json out.json]
     python -m mx_lbsgd.demo.bench_step ...     (or python benchmarks/bench_step.py ...)
 """
-import argparse
 import json
 import os
 import platform
@@ -22,6 +21,8 @@ import mxnet as mx
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
+
+from .args import Parser, UsageError, check_output_option, number, write_or_keep
 
 __all__ = ['resnet50_shapes', 'set_gradients', 'machine', 'save_json', 'run', 'main']
 
@@ -209,15 +210,18 @@ def table(results, targets):
     return '\n'.join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None):
+    parser = Parser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument('--dtypes', nargs='+', default=['float32', 'float16'],
                         choices=['float32', 'float16'])
-    parser.add_argument('--rounds', type=int, default=8,
+    parser.add_argument('--rounds', type=number(int, 1), default=8,
                         help='rounds; each optimizer times 2 steps (B=4: 4) per round')
-    parser.add_argument('--only', nargs='*', help='optimizer names to run (default: all)')
+    parser.add_argument('--only', nargs='+', choices=list(candidates()), metavar='NAME',
+                        help='optimizer names to run (default: all): %s'
+                             % ', '.join(repr(n) for n in candidates()))
     parser.add_argument('--json', help='write the results here')
     args = parser.parse_args(argv)
+    check_output_option(parser, '--json', args.json)
     results = run(args.dtypes, args.rounds, args.only)
     results['ratios'] = ratios(results)
     results['machine'] = machine()
@@ -225,7 +229,7 @@ def main(argv=None):
     print('ResNet-50 v1: %d tensors, %d parameters' % (results['tensors'],
                                                        results['parameters']))
     print(table(results, results['ratios']))
-    save_json(args.json, results)
+    save_json(args.json, results, parser.prog)
     return results
 
 
@@ -250,10 +254,21 @@ def cpu_model():
         return platform.processor() or 'unknown CPU'
 
 
-def save_json(path, results):
-    if path:
-        with open(path, 'w') as f:
+def save_json(path, results, prog='benchmark'):
+    """Write `results` to `path` (if given). If that fails after all (--json is checked
+    before the benchmark runs), the results go to a temporary file and the benchmark exits
+    with status 2 and one line naming both files."""
+    if not path:
+        return
+
+    def write(target):
+        with open(target, 'w') as f:
             json.dump(results, f, indent=1)
+    try:
+        write_or_keep(prog, '--json', path, write, '.json')
+    except UsageError as err:
+        print(err, file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == '__main__':

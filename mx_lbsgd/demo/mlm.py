@@ -15,6 +15,10 @@ possibly inside a window). Checkpoints are folders ``OUT/checkpoints/micro-batch
 from rank 0 at a window boundary; inside a window every rank's own ``trainer.rankR.states``,
 since the accumulators are each rank's partial sums). ``progress.json`` is written last: a
 folder without it is incomplete. Every file is written to a temporary name and renamed.
+``OUT/checkpoints/latest`` names the checkpoint written last, which ``--resume OUT`` takes
+(not the highest number: a new run into the folder of a finished one writes lower numbers).
+A run stopped by ``--stop-after`` writes ``summary.json`` with ``"finished": false``; a
+finished checkpoint is not resumed (there is nothing left to train: exit 2, one line).
 
 The states files are ``mx_lbsgd.checkpoint``'s (atomic, checksummed, loaded by a
 restricted unpickler into the live optimizer: every device's states, the counters, the lr
@@ -34,6 +38,7 @@ __all__ = ['MarkovTokens', 'main', 'train']
 
 PROG = 'mx-lbsgd mlm'
 MASK = 0                        # token 0 is [MASK]; the chain walks tokens 1 .. vocab-1
+_LATEST = 'latest'              # OUT/checkpoints/latest: the checkpoint folder written last
 _STREAMS = {'train': 1, 'eval': 2}
 #: options (argparse dests) that must match when resuming; world_size: the ranks
 _RESUME_KEYS = ('vocab', 'hidden', 'layers', 'heads', 'seq_len', 'batch_size', 'batch_scale',
@@ -123,7 +128,9 @@ def _parser():
                    help='stop (and checkpoint) after this many micro-batches of the '
                         'schedule, as an interruption would, e.g. inside a window')
     p.add_argument('--resume', metavar='PATH',
-                   help='a checkpoint folder, or a folder holding them (the latest is used)')
+                   help='a checkpoint folder, or a run\'s --out folder: then the checkpoint '
+                        'that run wrote last (OUT/checkpoints/latest); a finished run is '
+                        'refused (nothing left to train)')
     p.add_argument('--seed', type=number(int, 0), default=0)
     p.add_argument('--out', default='runs/mlm', help='output folder (default runs/mlm)')
     p.add_argument('--quiet', action='store_true', help='print only the summary')
@@ -151,11 +158,27 @@ def _check(args):
 
 
 def _find_checkpoint(path):
-    """The checkpoint folder `path` names: itself, or the latest complete one under it (or
-    under its checkpoints/)."""
+    """The checkpoint folder `path` names: itself, or the one written last under it (or
+    under its checkpoints/): the folder named by ``checkpoints/latest``, else (a folder of
+    checkpoints without that file) the highest-numbered complete one."""
     if os.path.isfile(os.path.join(path, 'progress.json')):
         return path
     for folder in (os.path.join(path, 'checkpoints'), path):
+        latest = os.path.join(folder, _LATEST)
+        if os.path.isfile(latest):
+            try:
+                with open(latest) as f:
+                    name = f.read().strip()
+            except OSError as err:
+                raise _usage('argument --resume: cannot read %s (%s)'
+                             % (latest, err.strerror or err)) from None
+            chosen = os.path.join(folder, name)
+            if (os.sep in name or not name.startswith('micro-batch-')
+                    or not os.path.isfile(os.path.join(chosen, 'progress.json'))):
+                raise _usage('argument --resume: %s names %r, which is not a complete '
+                             'checkpoint folder (give one with --resume %s)'
+                             % (latest, name, os.path.join(folder, 'micro-batch-N')))
+            return chosen
         if os.path.isdir(folder):
             done = sorted(d for d in os.listdir(folder) if d.startswith('micro-batch-')
                           and os.path.isfile(os.path.join(folder, d, 'progress.json')))
@@ -225,7 +248,13 @@ def _build(args, world, resume):
                    dtype=args.dtype)
     net.initialize(ctx=mx.cpu())
     if resume:
-        net.load_parameters(os.path.join(resume, 'model.params'), ctx=mx.cpu())
+        params = os.path.join(resume, 'model.params')
+        try:
+            net.load_parameters(params, ctx=mx.cpu())
+        except (mx.base.MXNetError, OSError, ValueError, AssertionError) as err:
+            raise _usage('argument --resume: %s is not a readable parameter file of this '
+                         'model (truncated or damaged?): %s' % (params, _first_line(err))) \
+                from None
     for param in net.collect_params().values():
         if param.name.endswith(NO_DECAY_SUFFIXES):
             param.wd_mult = 0.0
@@ -245,10 +274,20 @@ def _build(args, world, resume):
         trainer = mx.gluon.Trainer(net.collect_params(), opt, update_on_kvstore=False)
     if resume:
         shared = os.path.join(resume, 'trainer.states')
-        mx_lbsgd.checkpoint.load_states(
-            trainer, shared if os.path.exists(shared) else
-            os.path.join(resume, 'trainer.rank%d.states' % world.rank))
+        states = (shared if os.path.exists(shared) else
+                  os.path.join(resume, 'trainer.rank%d.states' % world.rank))
+        try:
+            mx_lbsgd.checkpoint.load_states(trainer, states)
+        except (OSError, ValueError) as err:
+            raise _usage('argument --resume: cannot load the trainer states %s: %s'
+                         % (states, _first_line(err))) from None
     return net, trainer, scaler
+
+
+def _first_line(err):
+    """The first non-empty line of an exception's message (MXNet's span many lines)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 # -- checkpoints --------------------------------------------------------------------------
@@ -270,6 +309,8 @@ def _save(args, world, net, trainer, micro_batches, state):
                     config=_resume_config(args, world))
         _atomic(os.path.join(folder, 'progress.json'),
                 lambda tmp: _write_json(tmp, meta))
+        _atomic(os.path.join(os.path.dirname(folder), _LATEST),
+                lambda tmp: _write_text(tmp, os.path.basename(folder) + '\n'))
     world.barrier()
     return folder
 
@@ -286,6 +327,11 @@ def _atomic(path, write):
             os.remove(tmp)
 
 
+def _write_text(path, text):
+    with open(path, 'w') as f:
+        f.write(text)
+
+
 def _write_json(path, obj):
     with open(path, 'w') as f:
         json.dump(obj, f, indent=1)
@@ -298,9 +344,16 @@ def _resume_config(args, world):
 
 
 def _load_progress(args, world):
-    with open(os.path.join(args.resume, 'progress.json')) as f:
-        meta = json.load(f)
-    saved, now = meta['config'], _resume_config(args, world)
+    path = os.path.join(args.resume, 'progress.json')
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        saved = meta['config']
+        done = int(meta['micro_batches'])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise _usage('argument --resume: %s is not a readable progress file (truncated or '
+                     'damaged?): %s' % (path, _first_line(err))) from None
+    now = _resume_config(args, world)
     for key in _RESUME_KEYS:
         if saved.get(key) != now[key]:
             flag = ('horovodrun -np' if key == 'world_size'
@@ -308,9 +361,14 @@ def _load_progress(args, world):
             raise _usage('argument --resume: the checkpoint was written with %s %s, this run '
                          'has %s (resume with the same settings)'
                          % (flag, saved.get(key), now[key]))
-    if args.stop_after is not None and args.stop_after <= meta['micro_batches']:
+    total = args.steps * args.batch_scale
+    if done >= total:
+        raise _usage('argument --resume: %s is the end of a finished run (%d of %d '
+                     'micro-batches, all %d updates): nothing is left to resume (a new run '
+                     'trains again)' % (args.resume, done, total, args.steps))
+    if args.stop_after is not None and args.stop_after <= done:
         raise _usage('argument --stop-after: must be > the %d micro-batches of the '
-                     'checkpoint, got %d' % (meta['micro_batches'], args.stop_after))
+                     'checkpoint, got %d' % (done, args.stop_after))
     return meta
 
 
@@ -343,6 +401,9 @@ def train(args, log=print):
     net, trainer, scaler = _build(args, world, args.resume)
     opt, B = trainer.optimizer, args.batch_scale
     done = meta.get('micro_batches', 0)
+    if args.resume and world.rank == 0 and not args.quiet:
+        log('resuming from %s: micro-batch %d of %d (update %d of %d)'
+            % (args.resume, done, args.steps * B, done // B, args.steps))
     history = meta.get('history', [])
     eval_before = meta.get('eval_before') or _evaluate(net, data)
     stop = args.stop_after or args.steps * B
@@ -380,6 +441,7 @@ def train(args, log=print):
         wall_time_s=wall))
     summary = _summary(args, world, history, eval_before, _evaluate(net, data), opt, scaler,
                        stop, wall, folder)
+    summary['finished'] = stop == args.steps * B
     summary['param_sha256_per_rank'] = world.param_digests(net)
     if world.rank == 0:
         _write_json(os.path.join(args.out, 'summary.json'), summary)
@@ -432,7 +494,14 @@ def main(argv=None):
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     _check(args)
     summary = train(args)
-    if summary['rank'] == 0:
+    if summary['rank'] == 0 and not summary['finished']:
+        print('mlm: stopped after micro-batch %d of %d (update %d of %d) as --stop-after '
+              'asked; checkpoint %s; wrote %s (marked "finished": false); continue with: '
+              'mx-lbsgd mlm ... --out %s --resume %s'
+              % (summary['micro_batches'], args.steps * args.batch_scale,
+                 summary['updates'], args.steps, summary['checkpoint'],
+                 os.path.join(args.out, 'summary.json'), args.out, args.out))
+    elif summary['rank'] == 0:
         print('mlm: %d updates (%d skipped), loss %.3f -> %.3f (first/last %d updates), eval '
               'masked acc %.3f -> %.3f (chance %.4f), final loss scale %g, %.1f s; wrote %s'
               % (summary['updates'], summary['skipped_steps'], summary['first_loss'],

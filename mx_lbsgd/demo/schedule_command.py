@@ -1,8 +1,10 @@
 """``mx-lbsgd schedule``: print (and plot) the warmup learning-rate multiplier of each
 strategy, optionally beside MXNet 1.9.1's own LBSGD's, measured through its update()."""
+import os
+
 from mx_lbsgd import schedules
 
-from .args import Parser, UsageError, number, require_demo
+from .args import Parser, UsageError, number, require_demo, require_writable_file
 
 __all__ = ['SHAPES', 'mxnet_multiplier', 'schedule_table', 'main']
 
@@ -83,6 +85,7 @@ def main(argv):
                          'of batch_scale), got %g' % (parser.prog, args.batch_scale))
     if args.plot:
         require_demo(parser.prog, ('matplotlib',), what='--plot')
+        require_writable_file(parser.prog, '--plot', args.plot)
     steps = args.steps if args.steps is not None else max(1, (args.warmup_steps * 5) // 4)
     every = args.every or max(1, steps // 20)
     header, rows = schedule_table(args.warmup_steps, args.batch_scale, steps, every,
@@ -98,6 +101,12 @@ def main(argv):
         from .plots import plot_schedule
         _, every_step = schedule_table(args.warmup_steps, args.batch_scale, steps, 1,
                                        args.strategies, args.mxnet)
-        plot_schedule(header, every_step, args.warmup_steps, args.batch_scale, args.plot)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+            plot_schedule(header, every_step, args.warmup_steps, args.batch_scale, args.plot)
+        except OSError as err:     # after the check: the table above has the numbers
+            raise UsageError('%s: error: argument --plot: could not write %s (%s); the '
+                             'table above has the values' % (parser.prog, args.plot,
+                                                             err.strerror or err)) from None
         print('wrote %s' % args.plot)
     return 0

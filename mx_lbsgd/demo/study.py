@@ -52,9 +52,11 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 
-from .args import Parser, demo_error, demo_missing, number
+from .args import (Parser, UsageError, demo_error, demo_missing, number,
+                   require_writable_dir)
 from .data import DATASETS
 
 __all__ = ['METHODS', 'micro_batches', 'train_to_target', 'tune_method', 'run_many', 'main']
@@ -350,6 +352,10 @@ def main(argv=None, prog='mx-lbsgd study'):
     if missing:
         parser.exit(2, demo_error(prog, missing) + '\n')
     settings = _settings(args, parser)
+    try:
+        require_writable_dir(prog, args.out)        # before the trainings, not after them
+    except UsageError as err:
+        parser.exit(2, '%s\n' % err)
     from .study_plot import plot_study
     from .study_report import summarize, tables
     from .summary import versions
@@ -365,15 +371,33 @@ def main(argv=None, prog='mx-lbsgd study'):
     text = tables(result)
     print(text)
     print('\n%d trainings in %.0f s' % (result['trainings'], wall))
-    os.makedirs(args.out, exist_ok=True)
-    plot_study(result, os.path.join(args.out, 'study.png'))
-    with open(os.path.join(args.out, 'study.md'), 'w') as f:
-        f.write(text + '\n')
-    with open(os.path.join(args.out, 'study.json'), 'w') as f:
-        json.dump(result, f, indent=1)
-    print('wrote %s' % ', '.join(os.path.join(args.out, n)
+    out = _write_results(prog, args.out, result, text, plot_study)
+    print('wrote %s' % ', '.join(os.path.join(out, n)
                                  for n in ('study.md', 'study.json', 'study.png')))
-    return 0
+    return 0 if out == args.out else 2
+
+
+def _write_results(prog, out, result, text, plot_study):
+    """Write study.md, study.json and study.png into `out`; if that fails after all (the
+    folder was checked before the trainings), into a new temporary folder, named on stderr
+    in one line. Returns the folder written."""
+    for folder in (out, None):
+        try:
+            if folder is None:
+                folder = tempfile.mkdtemp(prefix='mx-lbsgd-study-')
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, 'study.json'), 'w') as f:
+                json.dump(result, f, indent=1)
+            with open(os.path.join(folder, 'study.md'), 'w') as f:
+                f.write(text + '\n')
+            plot_study(result, os.path.join(folder, 'study.png'))
+            return folder
+        except OSError as err:
+            if folder != out:
+                raise
+            print('%s: error: argument --out: could not write into %s (%s); writing the '
+                  'results into a temporary folder instead' % (prog, out, err.strerror or err),
+                  file=sys.stderr)
 
 
 if __name__ == '__main__':
