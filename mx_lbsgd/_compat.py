@@ -10,6 +10,8 @@ import weakref
 
 import mxnet as mx
 
+from . import _horovod_exit
+
 
 def trainer_assigning_rescale_grad(optimizer):
     """The gluon.Trainer whose ``step``/``update`` is assigning ``optimizer.rescale_grad``
@@ -255,8 +257,9 @@ def trainer_worker_count(trainer, default):
 
     Why: Horovod's trainer passes no kvstore to gluon.Trainer (it overrides the private
     ``_allreduce_grads``), and a Trainer creates its kvstore lazily into ``_kvstore``."""
-    if type(trainer).__module__.split('.')[0] == 'horovod':
+    if _is_horovod_trainer(trainer):
         import horovod.mxnet as hvd
+        _horovod_exit._install()
         return hvd.size()
     if trainer._kv_initialized and trainer._kvstore is not None:
         return trainer._kvstore.num_workers
@@ -328,7 +331,12 @@ def wrap_trainer_step(trainer, reduce, update):
     reduction, which only the private ``_allreduce_grads`` gives (horovod's
     DistributedTrainer overrides the same method, so this covers it too); a step-level
     overflow decision must list the fresh gradients before ``_update`` clears their flags.
-    ``step``, ``allreduce_grads`` and ``update`` all go through these two."""
+    ``step``, ``allreduce_grads`` and ``update`` all go through these two.
+
+    Every Trainer the package drives is bound here once: a Horovod DistributedTrainer also
+    gets the exit drain (`horovod_worker`)."""
+    if _is_horovod_trainer(trainer):
+        _horovod_exit._install()
     original_reduce = _weak_method(trainer, '_allreduce_grads')
     original_update = _weak_method(trainer, '_update')
     trainer._allreduce_grads = lambda: reduce(original_reduce)
@@ -353,21 +361,32 @@ def trainer_rank(trainer):
 
     Why: a Trainer creates its kvstore lazily into the private ``_kvstore``; Horovod's
     DistributedTrainer has none and reduces through horovod, whose rank is ``hvd.rank()``."""
-    if type(trainer).__module__.split('.')[0] == 'horovod':
+    if _is_horovod_trainer(trainer):
         import horovod.mxnet as hvd
+        _horovod_exit._install()
         return hvd.rank()
     kv = trainer._kvstore if trainer._kv_initialized else None
     return kv.rank if kv is not None and 'dist' in kv.type else None
+
+
+def _is_horovod_trainer(trainer):
+    return type(trainer).__module__.split('.')[0] == 'horovod'
 
 
 def horovod_worker():
     """(rank, size) when horovod.mxnet is imported and initialized, else None.
 
     Why: horovod's DistributedOptimizer (Module) reduces before it calls the wrapped
-    optimizer and tells it nothing; horovod's rank is process-wide."""
+    optimizer and tells it nothing; horovod's rank is process-wide.
+
+    Every Horovod detection of the package (this and the DistributedTrainer branches above)
+    also keeps the exit drain registered after ``hvd.init()``'s ``atexit`` hook: see
+    `mx_lbsgd._horovod_exit` (MXNet 1.9.1 can crash or hang when Horovod shuts down at exit
+    with collectives still queued in its engine)."""
     hvd = sys.modules.get('horovod.mxnet')
     if hvd is None or not hvd.is_initialized():
         return None
+    _horovod_exit._install()
     return hvd.rank(), hvd.size()
 
 
@@ -376,9 +395,67 @@ def creating_module_worker():
     this optimizer for, else None.
 
     Why: Module never tells its optimizer the kvstore; the same call-stack read as
-    `creating_module_updates_on_kvstore`."""
+    `creating_module_updates_on_kvstore`.
+
+    Every optimizer of the package calls this when it is created: under an initialized
+    Horovod (``hvd.DistributedOptimizer`` wraps it for Module) that registers the exit drain
+    (`horovod_worker`)."""
+    horovod_worker()
     local = _init_optimizer_locals()
     kv = local.get('kvstore') if local is not None else None
     if not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:
         return None
     return kv.rank, kv.num_workers
+
+
+# -- added for one scaler across MXNet's loaders and for the LossScaling hook ---------------
+
+def optimizer_replaced_by_unpickling():
+    """The optimizer that an ``mx.optimizer.Updater`` holds while its ``set_states`` unpickles
+    another one to replace it (call from the unpickled optimizer's ``__setstate__``), else
+    None.
+
+    Why: ``Updater.set_states`` (what ``Trainer.load_states``, ``Module.load_optimizer_states``
+    and ``KVStore.load_optimizer_states`` call) puts the optimizer pickled in the file in
+    place of the live one and tells no one, so the user's loss scaler, held by the live
+    optimizer, would drive nothing. While pickle runs, the ``self`` of the ``set_states``
+    frame still holds the live optimizer (checked on MXNet 1.9.1,
+    ``mxnet/optimizer/optimizer.py``)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == 'set_states':
+            updater = frame.f_locals.get('self')
+            if isinstance(updater, mx.optimizer.Updater):
+                return updater.optimizer
+    return None
+
+
+def reduced_gradient_mean_factor(trainer):
+    """The factor that turns the gradients ``trainer.allreduce_grads()`` leaves into the mean
+    over workers of each worker's gradient (summed over its devices).
+
+    - no kvstore, one device, ``local``/``device`` kvstores: 1 (one worker; a ``device``
+      kvstore sums over this worker's devices);
+    - ``dist_*`` kvstores: ``1 / num_workers`` (the servers sum);
+    - Horovod's DistributedTrainer: ``gradient_predivide_factor / size`` when it averages in
+      the framework (CPU, gloo, ROCm and NCCL < 2.10 builds: the allreduce sums the gradients
+      pre-divided by the factor, and the Trainer's ``_scale`` carries ``factor / size``),
+      else 1 (NCCL >= 2.10: the allreduce itself averages).
+
+    Why: Horovod keeps the choice in the private ``_average_in_framework`` and
+    ``_gradient_predivide_factor`` (checked on horovod 0.28.1, ``horovod/mxnet/__init__.py``);
+    the kvstore is created lazily into ``_kvstore``."""
+    if type(trainer).__module__.split('.')[0] == 'horovod':
+        if not getattr(trainer, '_average_in_framework', True):
+            return 1.0
+        import horovod.mxnet as hvd
+        size = trainer._process_set.size() if hasattr(trainer, '_process_set') else hvd.size()
+        return float(getattr(trainer, '_gradient_predivide_factor', 1.0)) / size
+    init_trainer_kvstore(trainer)
+    kv = trainer._kvstore
+    if kv is not None and 'dist' in kv.type:
+        return 1.0 / kv.num_workers
+    return 1.0

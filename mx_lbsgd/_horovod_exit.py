@@ -1,0 +1,93 @@
+"""Drain MXNet's engine before Horovod shuts down at interpreter exit.
+
+Why: ``hvd.init()`` registers ``hvd.shutdown`` with ``atexit`` after ``import mxnet``
+registered ``mxnet.base._notify_shutdown``; ``atexit`` runs the last registered first, so at
+exit Horovod shuts down while MXNet's engine may still hold Horovod collectives (Horovod's
+MXNet ops are asynchronous engine operations). Horovod's background thread then fails every
+queued collective; MXNet 1.9.1 records those failures in the engine's list of exceptions
+(``ThreadedEngine::OnComplete``) from several threads without a lock, and its own exit hook
+(``MXNotifyShutdown`` -> ``WaitForAll``) walks that list: a segfault, a glibc heap abort, or
+(a collective pushed after the shutdown never completes) a hang. Draining the engine before
+Horovod's hook runs leaves nothing for it to fail.
+
+The package registers `_drain_at_exit` whenever one of its Horovod paths sees an initialized
+Horovod (`mx_lbsgd._compat.horovod_worker` and the DistributedTrainer checks), re-registering
+it each time so that it stays after the newest ``hvd.init()``'s hook.
+"""
+import atexit
+import os
+import sys
+import threading
+
+import mxnet as mx
+
+#: Seconds the exit hook waits for MXNet's engine (environment variable, float).
+TIMEOUT_ENV = 'MX_LBSGD_HOROVOD_EXIT_TIMEOUT'
+_DEFAULT_TIMEOUT = 120.0
+#: After an uncaught exception: the collectives the peers also run finish in well under a
+#: second; one they never run (they went on to another step) never finishes, and waiting
+#: for it only delays the job's failure.
+_FAILED_TIMEOUT = 5.0
+
+
+def _install():
+    """Register the drain to run before every ``hvd.shutdown`` registered so far (idempotent:
+    one registration, moved to the front of the LIFO order)."""
+    atexit.unregister(_drain_at_exit)
+    atexit.register(_drain_at_exit)
+
+
+def _timeout(failed):
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        value = float(raw) if raw else _DEFAULT_TIMEOUT
+    except ValueError:
+        sys.stderr.write('mx_lbsgd: ignoring %s=%r (not a number of seconds); using %g\n'
+                         % (TIMEOUT_ENV, raw, _DEFAULT_TIMEOUT))
+        value = _DEFAULT_TIMEOUT
+    return min(value, _FAILED_TIMEOUT) if failed else value
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
+def _drain_at_exit():
+    """atexit hook: ``mx.nd.waitall()`` in a helper thread, bounded by the timeout. On time
+    out (a peer gone, a collective nobody else runs), print why and end the process with
+    status 1 before Horovod's and MXNet's exit hooks, which would crash or hang on the
+    queued work. An operation that failed is reported on stderr (MXNet's own hook would have
+    raised it there too); the engine is empty afterwards either way."""
+    # sys.last_value: set by the interpreter when an uncaught exception ended the script
+    failed = getattr(sys, 'last_value', None) is not None
+    timeout = _timeout(failed)
+    outcome = {}
+
+    def wait():
+        try:
+            mx.nd.waitall()
+        except Exception as err:        # an async op's stored error (MXNetError, ...)
+            outcome['error'] = err
+        outcome['done'] = True
+
+    waiter = threading.Thread(target=wait, name='mx_lbsgd-horovod-exit-drain', daemon=True)
+    waiter.start()
+    waiter.join(timeout)
+    if 'done' not in outcome:
+        _flush()
+        sys.stderr.write(
+            'mx_lbsgd: MXNet\'s engine still ran Horovod work %gs after the script ended '
+            '(a peer exited or is stuck; %s=%s sets the wait); exiting with status 1 before '
+            'Horovod\'s and MXNet\'s exit hooks, which would crash or hang on it\n'
+            % (timeout, TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV, '%g' % _DEFAULT_TIMEOUT)))
+        _flush()
+        os._exit(1)
+    if 'error' in outcome:
+        first = str(outcome['error']).strip().splitlines()
+        sys.stderr.write('mx_lbsgd: an operation still queued at exit failed: %s\n'
+                         % (first[0] if first else type(outcome['error']).__name__))
+        _flush()
