@@ -43,6 +43,13 @@ def bound(trainer):
     return _BINDINGS.get(trainer)
 
 
+def loss_scaling_of(trainer):
+    """The `LossScaling` hook attached to `trainer` last (alive), or None."""
+    binding = _BINDINGS.get(trainer)
+    ref = None if binding is None else binding.loss_scaling
+    return None if ref is None else ref()
+
+
 class TrainerBinding:
     def __init__(self, trainer):
         self._trainer = weakref.ref(trainer)
@@ -55,6 +62,9 @@ class TrainerBinding:
         # read-only watchers of the gradients (GradientNoiseScale): before_reduction(trainer,
         # opt) per micro-batch, after_reduction(trainer, opt, closes_window) per reduction
         self.observers = []
+        # weakref to the LossScaling hook over this Trainer (its scaler goes into
+        # mx_lbsgd.checkpoint files), or None
+        self.loss_scaling = None
         if hasattr(trainer.optimizer, 'begin_step'):
             _refuse_dist_sparse_gradients(trainer)
         _compat.wrap_trainer_step(trainer, self._reduce, self._update)

@@ -33,6 +33,7 @@ from mxnet import nd
 from . import _binding, _compat, _graph_scale, _kernels, _legacy, _scaling, overflow
 from ._checks import check_choice, check_int, check_real
 from ._window import InOptimizerWindow
+from .loss_scale import DynamicLossScaler
 
 
 class PipelineOptimizer(overflow._OverflowViews, mx.optimizer.Optimizer):
@@ -56,7 +57,8 @@ class PipelineOptimizer(overflow._OverflowViews, mx.optimizer.Optimizer):
         check_int('overflow_history_size', overflow_history_size, 0)
         check_real('overflow_log_interval', overflow_log_interval, 0.0, allow_inf=True)
         check_choice('check_local_overflow', check_local_overflow, (False, True))
-        for name in ('learning_rate', 'wd', 'rescale_grad', 'clip_gradient'):
+        _check_lr_wd(kwargs)
+        for name in ('rescale_grad', 'clip_gradient'):
             if kwargs.get(name) is not None:
                 check_real(name, kwargs[name])
         if loss_scaler is not None and _compat.creating_module_updates_on_kvstore():
@@ -92,6 +94,12 @@ class PipelineOptimizer(overflow._OverflowViews, mx.optimizer.Optimizer):
         self._local_flags = None   # {micro-batch (0: the step): device flag} before reduction
         self.__dict__.setdefault('_module_worker', None)
         self.__dict__.setdefault('check_local_overflow', False)    # pickled before it existed
+
+    def set_learning_rate(self, lr):
+        """As ``mx.optimizer.Optimizer.set_learning_rate`` (what ``Trainer.set_learning_rate``
+        calls), after checking `lr` as the constructor does."""
+        check_real('learning_rate', lr, 0.0)
+        super().set_learning_rate(lr)
 
     @property
     def last_step_skipped(self):
@@ -462,6 +470,33 @@ class PipelineOptimizer(overflow._OverflowViews, mx.optimizer.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(_legacy.upgrade_optimizer_state(state))
         self._build_pieces()
+        self._keep_live_scaler()
+
+    def _keep_live_scaler(self):
+        """One scaler, always: when MXNet's ``Updater.set_states`` (``Trainer.load_states``,
+        ``Module.load_optimizer_states``) unpickles this optimizer to replace a live one, the
+        file's scaler state goes into the live optimizer's scaler object, which this
+        optimizer then uses (as PyTorch's ``GradScaler.load_state_dict`` restores into the
+        live scaler): code that scales the loss by ``scaler.scale`` keeps working. A plain
+        copy (pickle, ``copy.deepcopy``) keeps its own scaler."""
+        live = _compat.optimizer_replaced_by_unpickling()
+        if live is None or live is self:
+            return
+        loaded, held = self.loss_scaler, getattr(live, 'loss_scaler', None)
+        if loaded is not None and isinstance(held, DynamicLossScaler):
+            if held is not loaded:
+                held.load_state_dict(loaded.state_dict())
+                self.loss_scaler = held
+        elif loaded is not None:
+            warnings.warn('the optimizer loaded from the states file scales the loss (loss '
+                          'scale %g) and replaces a %s that did not: multiply the loss by '
+                          'trainer.optimizer.loss_scaler.scale from now on'
+                          % (loaded.scale, type(live).__name__), RuntimeWarning)
+        elif held is not None:
+            warnings.warn('the optimizer loaded from the states file does not scale the loss '
+                          'and replaces one whose loss_scaler (scale %g) did: stop '
+                          'multiplying the loss by that scale' % getattr(held, 'scale', 1.0),
+                          RuntimeWarning)
 
     def __reduce_ex__(self, protocol):
         # kvstore.set_optimizer pickles with protocol 0 to send the optimizer to the
@@ -479,6 +514,14 @@ def _route_constants(pos, parts, masters, keep):
     return {'states': [parts[j][0] for j in pos], 'masters': [masters[j] for j in pos],
             'keep_lr': None if keep is None else [keep[j] for j in pos],
             'ratio_applies': None if keep is None else [not keep[j] for j in pos]}
+
+
+def _check_lr_wd(kwargs):
+    """learning_rate (None: the scheduler's or MXNet's default) and wd: finite, >= 0."""
+    if kwargs.get('learning_rate') is not None:
+        check_real('learning_rate', kwargs['learning_rate'], 0.0)
+    if 'wd' in kwargs:
+        check_real('wd', kwargs['wd'], 0.0)
 
 
 def _fused_from_env(fused):

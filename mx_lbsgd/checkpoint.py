@@ -35,11 +35,13 @@ import io
 import os
 import pickle
 import tempfile
+import warnings
 
 import numpy as np
 import mxnet as mx
 
-from . import _compat, _legacy
+from . import _binding, _compat, _legacy
+from .loss_scale import DynamicLossScaler
 
 __all__ = ['save_states', 'load_states', 'save_checkpoint', 'load_checkpoint']
 
@@ -169,9 +171,13 @@ def save_states(target, path):
     """Atomically write the optimizer states (every device) and progress of a gluon.Trainer
     or a Module to `path`."""
     updaters, opt = _updaters(target)
+    progress = _progress(opt)
+    hook = _loss_scaling(target)
+    if hook is not None:
+        progress['loss_scaling'] = hook.scaler.state_dict()
     payload = pickle.dumps({'format': _FORMAT, 'version': _VERSION,
                             'states': [u.states for u in updaters],
-                            'progress': _progress(opt)}, protocol=pickle.HIGHEST_PROTOCOL)
+                            'progress': progress}, protocol=pickle.HIGHEST_PROTOCOL)
     blob = MX_LBSGD_MAGIC + hashlib.sha256(payload).digest() + payload
     _atomic_write(path, lambda tmp: _write_bytes(tmp, blob))
 
@@ -248,6 +254,27 @@ def load_states(target, path, trusted=False):
         updater.states_synced = dict.fromkeys(updater.states, False)
     if progress is not None:
         _load_progress(opt, progress)
+        _load_loss_scaling(target, path, progress.get('loss_scaling'))
+
+
+def _loss_scaling(target):
+    """The `LossScaling` hook attached to a Trainer target, or None."""
+    if isinstance(target, mx.gluon.Trainer):
+        return _binding.loss_scaling_of(target)
+    return None
+
+
+def _load_loss_scaling(target, path, state):
+    """Put a saved hook scaler state into the live hook's scaler object."""
+    if state is None:
+        return
+    hook = _loss_scaling(target)
+    if hook is None:
+        warnings.warn('optimizer states file %r holds the scaler state of a LossScaling hook, '
+                      'and no hook is attached to this Trainer: create the LossScaling hook '
+                      'before load_states to resume its loss scale' % path, RuntimeWarning)
+        return
+    hook.scaler.load_state_dict(state)
 
 
 def _weights_by_key(target):
@@ -305,6 +332,13 @@ def _check_progress(path, progress):
     counts = progress.get('index_update_counts')
     if not isinstance(counts, dict) or not isinstance(progress.get('num_update'), int):
         raise ValueError('optimizer states file %r has malformed progress counters' % path)
+    for key in ('loss_scaler', 'loss_scaling'):
+        if progress.get(key) is not None:
+            try:       # on a throwaway scaler: the live one changes only once all is checked
+                DynamicLossScaler().load_state_dict(progress[key])
+            except (ValueError, TypeError) as err:
+                raise ValueError('optimizer states file %r has a malformed loss scaler state '
+                                 '(%s)' % (path, err)) from None
 
 
 def save_checkpoint(mod, prefix, epoch, save_optimizer_states=True):

@@ -1,5 +1,6 @@
 """Dynamic loss scaling for any `gluon.Trainer` and any optimizer."""
 import warnings
+import weakref
 
 import numpy as np
 import mxnet as mx
@@ -69,7 +70,6 @@ class LossScaling(overflow._OverflowViews):
                 raise ValueError('LossScaling: the optimizer %s already scales the loss '
                                  '(loss_scaler=%r); use one of the two, not both'
                                  % (type(t.optimizer).__name__, t.optimizer.loss_scaler))
-            _binding.bind(t, window=False)
         self.scaler = _as_scaler(scaler, 'scaler')
         self.force = bool(force)
         self.fused = fused
@@ -82,6 +82,8 @@ class LossScaling(overflow._OverflowViews):
         self._active = None            # decided on first use, once gradients exist
         self._reduced = False
         self._unscaled = False
+        for t in self.trainers:
+            _binding.bind(t, window=False).loss_scaling = weakref.ref(self)
 
     @property
     def scale(self):

@@ -261,10 +261,17 @@ class DynamicLossScaler:
             raise ValueError('not a DynamicLossScaler state_dict: %s' % err) from None
         if missing:
             raise ValueError('DynamicLossScaler state_dict lacks %s' % ', '.join(missing))
+        try:                       # every value converted before this scaler changes
+            scale = float(state['scale'])
+            counters = {key: int(state[key]) for key in self._STATE[1:]}
+        except (TypeError, ValueError) as err:
+            raise ValueError('not a DynamicLossScaler state_dict: %s' % err) from None
+        if not 0 < scale < float('inf'):
+            raise ValueError('DynamicLossScaler state_dict has scale %r; expected a finite '
+                             'positive number' % (scale,))
         self.__dict__.update(fresh.__dict__)
-        self._scale = float(state['scale'])
-        for key in self._STATE[1:]:
-            setattr(self, key, int(state[key]))
+        self._scale = scale
+        self.__dict__.update(counters)
 
     def __repr__(self):
         return ('DynamicLossScaler(scale=%g, good=%d, bad=%d, skipped=%d/%d)'
