@@ -283,3 +283,173 @@ def test_routed_lbsgd_is_one_native_update_and_no_host_sync(args, launches):
         assert counts[1:] == [launches, launches]
     else:
         assert counts[1] == counts[2] < len(shapes) + 6
+
+
+# -- mx_lbsgd_accumulate: the accumulation window's micro-batch in one call -------------
+
+def _window_arrays(dtypes, seed):
+    grads = [nd.array(x, dtype=dtypes[i % len(dtypes)])
+             for i, x in enumerate(_arrays('float32', seed))]
+    accs = [nd.array(x) for x in _arrays('float32', seed + 1)]
+    return accs, grads
+
+
+def _window_sequence(accs, grads_per_micro, factor, scratch):
+    """Micro-batches 1..B-1 summed into `accs`, micro-batch B's mean written into its
+    gradients (what `TrainerWindow` does); returns the arrays after each stage."""
+    stages = []
+    for k, grads in enumerate(grads_per_micro[:-1]):
+        mx_lbsgd._kernels.accumulate(accs=accs, grads=grads, first=k == 0, factor=factor,
+                                     scratch=scratch)
+        stages.append([a.asnumpy() for a in accs])
+    last = grads_per_micro[-1]
+    mx_lbsgd._kernels.write_mean(grads=last, accs=accs, factor=factor,
+                                 mean_factor=1.0 / (factor * len(grads_per_micro)),
+                                 scratch=scratch)
+    stages.append([g.asnumpy() for g in last])
+    return stages
+
+
+@needs_native
+@pytest.mark.parametrize('factor', [pytest.param(1.0, id='factor1'),
+                                    pytest.param(0.37, id='factor0.37')])
+@pytest.mark.parametrize('dtypes', [pytest.param(('float32',), id='fp32'),
+                                    pytest.param(('float16',), id='fp16'),
+                                    pytest.param(('float16', 'float32'), id='mixed')])
+def test_accumulate_is_the_per_tensor_paths_bits_and_numpy(monkeypatch, dtypes, factor):
+    B = 4
+    micro = [_window_arrays(dtypes, seed=10 * k)[1] for k in range(B)]
+    copies = [[g.copy() for g in grads] for grads in micro]
+    accs, _ = _window_arrays(dtypes, seed=99)
+    with count_kernel_launches() as launches:
+        native = _window_sequence(accs, micro, factor, {})
+    assert len(launches) == B          # one call per micro-batch: one context
+    monkeypatch.setattr(_native, 'ops', lambda: None)     # MXNet's per-tensor operators
+    accs, _ = _window_arrays(dtypes, seed=99)
+    with count_kernel_launches() as launches:
+        per_tensor = _window_sequence(accs, copies, factor, {})
+    assert len(launches) >= B * len(SHAPES)
+    for stage_native, stage_mxnet in zip(native, per_tensor):
+        for a, b in zip(stage_native, stage_mxnet):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+    # numpy, in float32 arithmetic for the sums and float64 for the mean
+    f = np.float32(factor)
+    grads = [[g.asnumpy().astype(np.float32) for g in grads] for grads in copies[:-1]]
+    acc = [g * f for g in grads[0]]
+    np.testing.assert_array_equal(np.concatenate([a.ravel() for a in acc]),
+                                  np.concatenate([a.ravel() for a in native[0]]))
+    for k in range(1, B - 1):
+        acc = [a + f * g for a, g in zip(acc, grads[k])]
+        for a, b in zip(acc, native[k]):
+            np.testing.assert_array_equal(a, b)
+    for i, got in enumerate(native[-1]):
+        last = _window_arrays(dtypes, seed=10 * (B - 1))[1][i].asnumpy().astype(np.float64)
+        want = (acc[i].astype(np.float64) + factor * last) / (factor * B)
+        np.testing.assert_allclose(got.astype(np.float64), want,
+                                   rtol=1e-3 if got.dtype == np.float16 else 1e-6,
+                                   atol=1e-3 if got.dtype == np.float16 else 1e-7)
+
+
+@needs_native
+def test_accumulate_refuses_wrong_dtypes():
+    acc, grad = nd.zeros((3,), dtype='float16'), nd.ones((3,), dtype='float16')
+    with pytest.raises(mx.MXNetError, match=r'array 0 must be float32 \(an accumulator\)'):
+        OPS.accumulate(acc, grad, num_tensors=1, mode=1, factor=1.0).wait_to_read()
+    with pytest.raises(mx.MXNetError, match='array 1 must be float16 or float32'):
+        OPS.accumulate(nd.zeros((3,)), nd.ones((3,), dtype='float64'), num_tensors=1, mode=1,
+                       factor=1.0).wait_to_read()
+
+
+def _trainer_window_launches(dtype, ctxs, tensors=20):
+    """Operator calls of each `trainer.step` of one window of 'lblamb' (batch_scale=4)
+    on `tensors` parameters per context."""
+    params = [mx.gluon.Parameter('p%d_weight' % i, shape=(3, i + 1), dtype=dtype)
+              for i in range(tensors)]
+    for p in params:
+        p.initialize(ctx=ctxs)
+    trainer = mx.gluon.Trainer(params, 'lblamb', dict(batch_scale=4,
+                                                      multi_precision=dtype == 'float16'),
+                               kvstore='device' if len(ctxs) > 1 else None,
+                               update_on_kvstore=False if len(ctxs) > 1 else None)
+    counts = []
+    for _ in range(8):
+        with mx.autograd.record():
+            losses = [nd.add_n(*[p.data(c).sum() for p in params]) for c in ctxs]
+        mx.autograd.backward(losses)
+        mx.nd.waitall()
+        with count_kernel_launches() as launches:
+            trainer.step(1)
+        counts.append(len(launches))
+    return counts
+
+
+@needs_native
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
+def test_window_micro_batch_is_one_operator_call_per_device(monkeypatch, dtype):
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    native = _trainer_window_launches(dtype, ctxs)
+    # micro-batches 2 and 3 of the second window (the first creates the states): one
+    # mx_lbsgd_accumulate per device, and nothing else
+    assert native[5:7] == [len(ctxs), len(ctxs)]
+    monkeypatch.setattr(_native, 'ops', lambda: None)
+    per_tensor = _trainer_window_launches(dtype, ctxs)
+    # MXNet's operators: an axpy per tensor and device, and a Cast before it for float16
+    assert per_tensor[5:7] == [20 * len(ctxs) * (2 if dtype == 'float16' else 1)] * 2
+
+
+@needs_native
+@pytest.mark.parametrize('which', ['lamb', 'sgd'])
+def test_native_updates_take_float32_gradients_with_master_copies(which):
+    """An accumulated window hands float32 gradients to float16 weights with master
+    copies: the same update as float16 gradients of the same values, in one call."""
+    w0 = _arrays('float16', 21)
+    g0 = _arrays('float16', 22)
+    results = []
+    for grad_dtype in ('float16', 'float32'):
+        w = [nd.array(x, dtype='float16') for x in w0]
+        g = [nd.array(x.astype(grad_dtype), dtype=grad_dtype) for x in g0]
+        w32 = [nd.array(x.astype(np.float32)) for x in w0]
+        n = len(w0)
+        if which == 'lamb':
+            mean = [nd.zeros(x.shape) for x in w0]
+            var = [nd.zeros(x.shape) for x in w0]
+            OPS.lamb_update(*w, *g, *mean, *var, *w32, num_tensors=n, multi_precision=1,
+                            lrs=','.join(['0.01'] * n), wds=','.join(['0.01'] * n),
+                            steps=','.join(['1'] * n), applies=','.join(['1'] * n),
+                            beta1=0.9, beta2=0.999, epsilon=1e-6, bias_correction=1,
+                            rescale_grad=0.5, clip_gradient=-1, lower_bound=-1,
+                            upper_bound=-1).wait_to_read()
+        else:
+            mom = [nd.zeros(x.shape) for x in w0]
+            OPS.sgd_update(*w, *g, *mom, *w32, num_tensors=n, has_momentum=1, momentum=0.9,
+                           multi_precision=1, preloaded=0, lrs=','.join(['0.1'] * n),
+                           wds=','.join(['0.001'] * n), rescale_grad=0.5,
+                           clip_gradient=-1.0)
+        results.append(([x.asnumpy() for x in w], [x.asnumpy() for x in w32]))
+        for a, b in zip(results[-1][0], results[-1][1]):
+            np.testing.assert_array_equal(a, b.astype(np.float16))
+    for a, b in zip(*[r[1] for r in results]):
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, w0[0]) if a.shape == w0[0].shape else True
+
+
+@needs_native
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
+def test_window_in_the_optimizer_is_one_operator_call_per_micro_batch(monkeypatch, dtype):
+    """Module, the LossScaling hook, bare Updaters: the window inside the optimizer."""
+    def launches_per_call():
+        opt = mx_lbsgd.LAMB(batch_scale=4, multi_precision=dtype == 'float16')
+        updater = mx.optimizer.get_updater(opt)
+        weights = [nd.ones((3, i + 1), dtype=dtype) for i in range(20)]
+        counts = []
+        for _ in range(8):
+            grads = [nd.ones(w.shape, dtype=dtype) for w in weights]
+            mx.nd.waitall()
+            with count_kernel_launches() as launches:
+                updater(list(range(20)), grads, weights)
+            counts.append(len(launches))
+        return counts
+    assert launches_per_call()[5:7] == [1, 1]
+    monkeypatch.setattr(_native, 'ops', lambda: None)
+    assert launches_per_call()[5:7] == [20 * (2 if dtype == 'float16' else 1)] * 2
