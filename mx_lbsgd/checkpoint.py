@@ -25,8 +25,13 @@ for files you wrote yourself that hold other types (a custom LR scheduler, a cal
 
 Integrity: files written here start with ``MX_LBSGD_MAGIC`` and the SHA-256 of the rest,
 checked before unpickling: a flipped bit or a truncation anywhere gives "corrupted; load an
-earlier checkpoint". ``save_checkpoint`` writes a ``.sha256`` sidecar next to the symbol and
-params files (MXNet's formats, which MXNet's loaders read as they are); `load_checkpoint`
+earlier checkpoint". The magic begins with a tiny pickle program that calls
+`_refuse_plain_unpickling`, so MXNet's own ``Trainer.load_states`` (or
+``Module.load_optimizer_states``, or ``pickle.load``) on such a file raises a ValueError that
+names this module's loader instead of "pickle data was truncated"; that function only
+raises, and this module's reader strips the magic before it unpickles anything. Files
+written before that header existed (magic ``MXLBSGD-STATES\x00\x02``) load as before.
+``save_checkpoint`` writes a ``.sha256`` sidecar next to the symbol and params files (MXNet's formats, which MXNet's loaders read as they are); `load_checkpoint`
 checks them. Loading validates every state against the target's parameters (keys, layout,
 shapes, dtypes) before it changes anything.
 """
@@ -47,8 +52,25 @@ __all__ = ['save_states', 'load_states', 'save_checkpoint', 'load_checkpoint']
 
 _FORMAT = 'mx_lbsgd.states'
 _VERSION = 2
-MX_LBSGD_MAGIC = b'MXLBSGD-STATES\x00\x02'
+# A file starts with a pickle program that calls `_refuse_plain_unpickling`, so that a plain
+# unpickler (MXNet's Trainer.load_states, Module.load_optimizer_states, pickle.load) stops
+# with its message instead of "pickle data was truncated"; then a tag, the SHA-256 of the
+# rest, and the pickled content. Earlier files started with the tag's version 2 alone.
+_PLAIN_PICKLE_STOP = b'cmx_lbsgd.checkpoint\n_refuse_plain_unpickling\n)R'
+_TAG = b'MXLBSGD-STATES\x00\x03'
+MX_LBSGD_MAGIC = _PLAIN_PICKLE_STOP + _TAG
+_MAGIC_V2 = b'MXLBSGD-STATES\x00\x02'
 _DIGEST = 32
+
+
+def _refuse_plain_unpickling():
+    """What a plain unpickler runs when it reads an mx_lbsgd states file (the file's first
+    bytes call it): it only raises, naming the loader. Keep its name: files refer to it."""
+    raise ValueError(
+        'this is an mx_lbsgd optimizer states file (written by mx_lbsgd.checkpoint.save_states'
+        '): a checksum header precedes its content, so MXNet\'s Trainer.load_states, '
+        'Module.load_optimizer_states and pickle cannot read it. Load it with '
+        'mx_lbsgd.checkpoint.load_states(trainer_or_module, path)')
 
 
 def _allowed_globals():
@@ -201,10 +223,13 @@ def _read(path, trusted=False):
     if not blob:
         raise ValueError('optimizer states file %r is empty; load an earlier checkpoint'
                          % path)
-    if blob.startswith(MX_LBSGD_MAGIC):
-        digest = blob[len(MX_LBSGD_MAGIC):len(MX_LBSGD_MAGIC) + _DIGEST]
-        payload = blob[len(MX_LBSGD_MAGIC) + _DIGEST:]
-        if hashlib.sha256(payload).digest() != digest:
+    magic = next((m for m in (MX_LBSGD_MAGIC, _MAGIC_V2) if blob.startswith(m)), None)
+    if magic is None and _damaged_header(blob):
+        magic = MX_LBSGD_MAGIC           # the checksum then says "corrupted"
+    if magic is not None:
+        digest = blob[len(magic):len(magic) + _DIGEST]
+        payload = blob[len(magic) + _DIGEST:]
+        if not blob.startswith(magic) or hashlib.sha256(payload).digest() != digest:
             raise ValueError('optimizer states file %r is corrupted (its SHA-256 does not '
                              'match: truncated or changed since it was written); load an '
                              'earlier checkpoint' % path)
@@ -231,6 +256,13 @@ def _read(path, trusted=False):
     if progress is None and optimizer is not None:
         progress = _progress(optimizer)
     return [states], progress
+
+
+def _damaged_header(blob):
+    """Whether `blob` starts as this package's header with a byte changed or cut short."""
+    stop = len(_PLAIN_PICKLE_STOP)
+    return (blob[:stop] == _PLAIN_PICKLE_STOP or blob[stop:len(MX_LBSGD_MAGIC)] == _TAG
+            or (len(blob) < len(MX_LBSGD_MAGIC) and MX_LBSGD_MAGIC.startswith(blob)))
 
 
 def load_states(target, path, trusted=False):
