@@ -9,11 +9,12 @@ launcher starts one scheduler, S servers and N workers on the loopback interface
 Every process gets ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI`` and ``DMLC_NODE_HOST`` (both the job's
 own loopback address, below), ``DMLC_PS_ROOT_PORT``, ``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER``,
 plus ``MX_LBSGD_ROLE`` and ``MX_LBSGD_RANK`` (the launcher's index of the process within its
-role); ``DMLC_LOCAL`` and ``DMLC_USE_KUBERNETES`` are removed (with them ps-lite would use
-``ipc:///tmp/<port>`` or bind the scheduler to 0.0.0.0, shared by every job).
-``MX_LBSGD_RANK`` labels the output only: the scheduler hands out ``kv.rank`` in the
-order the workers connect, so use ``kv.rank`` to shard data. ``OMP_NUM_THREADS=1`` and
-``PYTHONUNBUFFERED=1`` are set unless already set. Workers run the command; the scheduler
+role: the order in which it was started); ``DMLC_LOCAL`` and ``DMLC_USE_KUBERNETES`` are
+removed (with them ps-lite would use ``ipc:///tmp/<port>`` or bind the scheduler to 0.0.0.0,
+shared by every job). ``MX_LBSGD_RANK`` is not ``kv.rank``: ps-lite's scheduler hands
+out the ranks by the workers' ports (which each picks at random), so use ``kv.rank`` to
+shard data.
+``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1`` are set unless already set. Workers run the command; the scheduler
 and servers run this interpreter with ``mx_lbsgd`` imported before they enter the server
 loop, so a pickled ``mx_lbsgd`` optimizer (``kv.set_optimizer``) loads there; a server
 that cannot load the optimizer exits with status 1 (MXNet would go on summing gradients).
@@ -33,8 +34,15 @@ so in one line naming that process: with ``--port`` it exits 2, otherwise it tri
 port (up to 3). Servers' and workers' own ports are picked by ps-lite (``bind(0)``); MXNet
 1.9.1 reads no variable for them.
 
-Output lines are prefixed ``[worker 0]``, ``[server 0]``, ``[scheduler]`` (launcher messages
-``[launch]``). Exit status: 0 when every worker exits 0 (servers and scheduler then stop by
+Output lines are prefixed ``[scheduler]``, ``[server 0]`` and, for a worker, ``[worker R]``
+with R its kvstore rank (``kv.rank``) once the scheduler has assigned it, before that (and
+for a worker that never creates a dist kvstore) ``[worker #i]``, i its launch order
+(``MX_LBSGD_RANK``); the launcher's messages and ``report`` use the same labels, and
+its own lines are prefixed ``[launch]``. The rank comes from ps-lite's own log line
+``W[id] is connected to others``, which a worker writes when it has its rank, before its
+program runs on: the launcher sets ``PS_VERBOSE=1`` for the workers (unless set) and hides
+ps-lite's informational lines then. Every node is started with ``PR_SET_PDEATHSIG``: if the
+launcher itself is killed (SIGKILL, which it cannot catch), its nodes die with it. Exit status: 0 when every worker exits 0 (servers and scheduler then stop by
 themselves; any still running after a few seconds are stopped), or when the job's work is
 done but a process is stuck in ps-lite's exit (below); otherwise the status of the
 first process to fail, 128 + N for a process killed by signal N, and the launcher stops all
@@ -57,8 +65,11 @@ with one line, ``[launch] exit status: scheduler: exit 0, server 0: ..., worker 
 ...``, saying how every process ended; ``launch(report={})`` gives the same as a dict.
 """
 import argparse
+import ctypes
+import functools
 import os
 import random
+import re
 import signal
 import socket
 import struct
@@ -98,6 +109,32 @@ server.run()
 
 
 _SIGNAL_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# ps-lite's informational lines (dmlc's LOG(INFO) format: '[hh:mm:ss] path/van.cc:N: ...')
+_PS_LITE_INFO = re.compile(r'^\[\d\d:\d\d:\d\d\] \S*(?:van\.cc|zmq_van\.h):\d+: '
+                           r'(?:Bind to |[HSW]\[\d+\] is (?:connected to others|stopping|'
+                           r'stopped)$)')
+# a worker's ps-lite id is 9 + 2 * kv.rank (ps::Postoffice::WorkerRankToID)
+_WORKER_CONNECTED = re.compile(r': W\[(\d+)\] is connected to others$')
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):    # not Linux
+        return None
+
+
+_PRCTL = _libc_prctl()
+
+
+def _die_with(parent):
+    """In a new node, before exec: SIGKILL when the launcher's thread that started it ends,
+    so that no node outlives a launcher killed by SIGKILL (start_new_session puts each
+    node out of the launcher's process group and terminal)."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:        # the launcher died before the prctl
+        os._exit(1)
 
 
 def _bindable(port):
@@ -265,11 +302,15 @@ def _status(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _pump(pipe, prefix, stream, lock, gate=None):
-    """Copy ``pipe`` to ``stream`` line by line with ``prefix`` (held back by ``gate``)."""
+def _pump(pipe, entry, stream, lock, gate=None, watch=None):
+    """Copy ``pipe`` to ``stream`` line by line, prefixed with the label ``entry[0]`` as
+    it is when the line is read (held back by ``gate``; dropped when ``watch(line)``)."""
     with pipe:
         for raw in iter(pipe.readline, b''):
             line = raw.decode('utf-8', 'replace').rstrip('\r\n')
+            if watch is not None and watch(line):
+                continue
+            prefix = f'[{entry[0]}] '
             with lock:
                 if gate is not None and gate.state != 'open':
                     if gate.state == 'hold':
@@ -331,18 +372,38 @@ class _Job:
 
     def spawn(self, label, role, rank, argv, gate=None):
         penv = dict(self.env, DMLC_ROLE=role, MX_LBSGD_ROLE=role, MX_LBSGD_RANK=str(rank))
+        watch = None
         if role != 'worker':     # so that the bootstrap imports this very mx_lbsgd
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             penv['PYTHONPATH'] = os.pathsep.join(p for p in (root, penv.get('PYTHONPATH')) if p)
+        entry = [label, None]
+        if role == 'worker':
+            quiet = 'PS_VERBOSE' not in penv
+            penv.setdefault('PS_VERBOSE', '1')
+            watch = functools.partial(self._watch_worker, entry, quiet)
         proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        self.procs.append((label, proc))
+                                start_new_session=True,
+                                preexec_fn=(functools.partial(_die_with, os.getpid())
+                                            if _PRCTL is not None else None))
+        entry[1] = proc
+        self.procs.append(entry)
         thread = threading.Thread(target=_pump, daemon=True, args=(
-            proc.stdout, f'[{label}] ', self.stream, self.lock, gate))
+            proc.stdout, entry, self.stream, self.lock, gate, watch))
         thread.start()
         self.threads.append(thread)
         return proc
+
+    def _watch_worker(self, entry, quiet, line):
+        """Relabel a worker by its kv.rank when ps-lite says it has one; True for the
+        ps-lite lines that only PS_VERBOSE=1 (set by the launcher) prints."""
+        found = _WORKER_CONNECTED.search(line)
+        if found and _PS_LITE_INFO.match(line):
+            with self.lock:
+                old, entry[0] = entry[0], f'worker {(int(found.group(1)) - 9) // 2}'
+                if old in self.states:
+                    self.states[entry[0]] = self.states.pop(old)
+        return quiet and _PS_LITE_INFO.match(line) is not None
 
     def start_scheduler(self, port, given, timeout, deadline):
         """Start the scheduler and wait until it listens on its port (another port if one
@@ -449,7 +510,7 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
                 for i in range(num_servers):
                     job.spawn(f'server {i}', 'server', i, [sys.executable, '-c', _BOOTSTRAP])
                 for i in range(num_workers):
-                    job.spawn(f'worker {i}', 'worker', i, command)
+                    job.spawn(f'worker #{i}', 'worker', i, command)
                 if on_start is not None:
                     on_start({label: proc.pid for label, proc in job.procs})
                 status = _wait(job.procs, timeout, start, job.say, job.states, caught)
@@ -592,7 +653,14 @@ def main(argv=None):
     """Command line: ``mx-lbsgd launch -n WORKERS [-s SERVERS] [--port P] [--timeout S] -- CMD``."""
     parser = argparse.ArgumentParser(
         prog='mx-lbsgd launch',
-        description='Run an MXNet dist_sync job (scheduler, servers, workers) on this machine.')
+        description='Run an MXNet dist_sync job (scheduler, servers, workers) on this machine.',
+        epilog="Output lines are prefixed [scheduler], [server i] and [worker R], R the "
+               "worker's kvstore rank (kv.rank) once the scheduler has assigned it; until "
+               "then, and for a worker that never creates a dist kvstore, [worker #i], i "
+               "the order in which it was started (its MX_LBSGD_RANK variable, which is not "
+               "kv.rank: shard data by kv.rank). Exit status: 0 when every worker exits 0, "
+               "else the first failure's (128+N for signal N), 124 on --timeout, 130 on "
+               "Ctrl-C, 143 on SIGTERM, 2 for bad arguments.")
     parser.add_argument('-n', '--num-workers', type=_positive_int, required=True,
                         help='number of worker processes')
     parser.add_argument('-s', '--num-servers', type=_positive_int, default=1,

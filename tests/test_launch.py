@@ -45,8 +45,23 @@ def _alive(pid):
         return False
 
 
+def _tagged_role(tag, role):
+    """Pids of live processes tagged ``tag`` with ``DMLC_ROLE=role``."""
+    found = []
+    for pid in _tagged(tag):
+        try:
+            with open(f'/proc/{pid}/environ', 'rb') as f:
+                if f'DMLC_ROLE={role}'.encode() in f.read().split(b'\0'):
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
 def _assert_gone(tag, pids=()):
-    deadline = time.monotonic() + 2
+    # a bound, not a wait: it ends as soon as every process is gone (SIGKILL is delivered at
+    # once, but a loaded machine may take seconds to reap)
+    deadline = time.monotonic() + 30
     while (_tagged(tag) or any(map(_alive, pids))) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _tagged(tag) == []
@@ -112,8 +127,9 @@ def test_worker_failure_stops_everything(tmp_path, tag):
     """, 2, on_start=started.update)
     assert code == 3, out
     assert elapsed < 15
-    assert '[launch] worker 1 exited with code 3' in out
-    assert sorted(started) == ['scheduler', 'server 0', 'worker 0', 'worker 1']
+    # no kvstore: the labels are the launch order, marked '#'
+    assert '[launch] worker #1 exited with code 3' in out
+    assert sorted(started) == ['scheduler', 'server 0', 'worker #0', 'worker #1']
     grandchild = int(out.split('grandchild ')[1].split()[0])
     _assert_gone(tag, list(started.values()) + [grandchild])
 
@@ -246,41 +262,151 @@ def test_unloadable_optimizer_fails_the_job(tmp_path, tag):
     _assert_gone(tag)
 
 
-@pytest.mark.parametrize('signum, status', [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_to_launcher(signum, status, tag):
+def _launcher(tag, worker_code, num_workers=2):
+    """``python -m mx_lbsgd.launch`` in its own process; returns (Popen, queue of its
+    output lines, None at the end)."""
     env = dict(os.environ, **{TAG: tag, 'PYTHONPATH': ROOT})
-    cmd = [sys.executable, '-m', 'mx_lbsgd.launch', '-n', '2', '--',
-           sys.executable, '-c', "print('ready', flush=True); import time; time.sleep(60)"]
+    cmd = [sys.executable, '-m', 'mx_lbsgd.launch', '-n', str(num_workers), '--',
+           sys.executable, '-c', worker_code]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=read, daemon=True).start()
+    return proc, lines
+
+
+def _wait_for_lines(proc, lines, out, predicate, bound=600):
+    """Block on the launcher's output until ``predicate(out)`` holds: an event, not a fixed
+    deadline; ``bound`` only keeps a broken launcher from hanging the test. On failure the
+    launcher gets SIGTERM (it stops its nodes), never SIGKILL."""
+    deadline = time.monotonic() + bound
+    while not predicate(out):
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = 'no such output in %d s' % bound
+        if line is None or line.startswith('no such output'):
+            proc.terminate()
+            pytest.fail('%s; launcher output:\n%s' % (
+                line or 'launcher ended (exit %s)' % proc.wait(), ''.join(out)))
+        out.append(line)
+
+
+def _end(proc, lines, out, bound=120):
+    """The launcher's exit status (it must end within ``bound`` s) and all its output."""
+    try:
+        code = proc.wait(timeout=bound)
+    except subprocess.TimeoutExpired:
+        with open('/proc/%d/status' % proc.pid) as f:
+            masks = [l.strip() for l in f if l.startswith(('SigIgn', 'SigCgt', 'State'))]
+        proc.terminate()
+        pytest.fail('launcher still running %d s after the signal; %s; its output:\n%s'
+                    % (bound, masks, ''.join(out)))
+    while True:
+        line = lines.get(timeout=bound)
+        if line is None:
+            return code
+        out.append(line)
+
+
+SLEEPER = "print('ready', flush=True); import time; time.sleep(600)"
+
+
+@pytest.mark.parametrize('signum, status', [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_launcher(signum, status, tag):
+    proc, lines = _launcher(tag, SLEEPER)
     out = []
     try:
-        deadline = time.monotonic() + 30
-        while sum(l.endswith('] ready\n') for l in out) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, ''.join(out)
-            try:
-                out.append(lines.get(timeout=0.1))
-            except queue.Empty:
-                pass
+        _wait_for_lines(proc, lines, out, lambda o: sum(l.endswith('] ready\n') for l in o) == 2)
         proc.send_signal(signum)
         # teardown takes at most 3 s of grace and 2 s of output draining
-        try:
-            code = proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            time.sleep(0.5)
-            while not lines.empty():
-                out.append(lines.get())
-            with open('/proc/%d/status' % proc.pid) as f:
-                masks = [l.strip() for l in f if l.startswith(('SigIgn', 'SigCgt', 'State'))]
-            pytest.fail('launcher still running 40 s after signal %d; %s; its output:\n%s'
-                        % (signum, masks, ''.join(out)))
-        assert code == status, ''.join(out)
+        assert _end(proc, lines, out) == status, ''.join(out)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.terminate()
             proc.wait()
+    _assert_gone(tag)
+
+
+@pytest.mark.parametrize('signum, status', [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_while_nodes_start(signum, status, tag):
+    """A signal as soon as the scheduler runs, while the other nodes are still starting:
+    every node ends, nothing is left over."""
+    proc, lines = _launcher(tag, SLEEPER)
+    out = []
+    try:
+        deadline = time.monotonic() + 600
+        while not _tagged_role(tag, 'scheduler'):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signum)
+        assert _end(proc, lines, out) == status, ''.join(out)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    assert '[launch] ' in ''.join(out)
+    _assert_gone(tag)
+
+
+def test_launcher_killed_takes_its_nodes_along(tag):
+    """SIGKILL, which the launcher cannot catch: its nodes (each in its own session) die
+    with it (PR_SET_PDEATHSIG) instead of waiting in ps-lite for ever."""
+    proc, lines = _launcher(tag, SLEEPER)
+    out = []
+    try:
+        _wait_for_lines(proc, lines, out, lambda o: sum(l.endswith('] ready\n') for l in o) == 2)
+        nodes = _tagged(tag)
+        assert len(_tagged_role(tag, 'scheduler')) == 1 and len(nodes) >= 4, nodes
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+    _assert_gone(tag, nodes)
+
+
+def test_worker_labels_are_kv_ranks(tmp_path, tag):
+    """ps-lite hands out kv.rank by the workers' ports, not in launch order: a worker's
+    lines are [worker #i] (i: launch order) until it has its rank R, then [worker R]; the
+    launcher's messages and report use the same labels. (With 4 workers, launch order
+    and kv.rank all agree in 1 job of 24: the labels by launch order failed this test.)"""
+    report = {}
+    code, out, _ = _run(tmp_path, tag, """
+        import os
+        launched = os.environ['MX_LBSGD_RANK']
+        print('launched', launched, flush=True)
+        import mxnet as mx
+        kv = mx.kv.create('dist_sync')
+        print('kv.rank', kv.rank, 'launched', launched, flush=True)
+        kv.init(0, mx.nd.zeros((2,)))
+        kv.push(0, mx.nd.ones((2,)))
+        got = mx.nd.zeros((2,))
+        kv.pull(0, out=got)
+        got.wait_to_read()
+        if kv.rank == 1:
+            raise SystemExit(7)
+    """, 4, report=report)
+    assert code == 7, out
+    ranks = {}
+    for line in out.splitlines():
+        words = line.split()
+        if 'launched' in words and 'kv.rank' not in words:
+            assert line == '[worker #%s] launched %s' % (words[-1], words[-1]), out
+        if 'kv.rank' in words:
+            rank, launched = int(words[-3]), int(words[-1])
+            assert line.startswith('[worker %d] ' % rank), out
+            ranks[rank] = launched
+    assert sorted(ranks) == [0, 1, 2, 3] and sorted(ranks.values()) == [0, 1, 2, 3], out
+    assert '[launch] worker 1 exited with code 7' in out
+    assert report['processes']['worker 1']['status'] == 7
+    assert 'is connected to others' not in out and 'Bind to' not in out   # ps-lite's info
     _assert_gone(tag)
 
 
@@ -325,14 +451,14 @@ def test_report_of_clean_and_failed_jobs(tmp_path, tag):
     code, out, _ = _run(tmp_path, tag, "import sys; sys.exit(0)", 1, report=report)
     # a worker that never creates a kvstore: the scheduler and server wait for it forever
     assert code == 0, out
-    assert report['processes']['worker 0'] == dict(status=0, note='')
+    assert report['processes']['worker #0'] == dict(status=0, note='')
     assert 'stopped' in report['processes']['scheduler']['note']
     assert '[launch] exit status: scheduler: still running after the workers succeeded' in out
     report = {}
     code, out, _ = _run(tmp_path, tag, "import sys, time; sys.exit(5)", 1, report=report)
     assert code == 5 and report['status'] == 5
-    assert report['processes']['worker 0'] == dict(status=5, note='')
-    assert 'worker 0: exit 5' in out
+    assert report['processes']['worker #0'] == dict(status=5, note='')
+    assert 'worker #0: exit 5' in out
     _assert_gone(tag)
 
 
