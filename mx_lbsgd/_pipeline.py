@@ -133,6 +133,15 @@ class PipelineOptimizer(overflow._OverflowViews, mx.optimizer.Optimizer):
         if self.loss_scaler is not None:
             self._gate.new_step(gradients)
 
+    def step_outside(self, applied):
+        """A `LossScaling` hook decided a step of its own (this optimizer has no
+        loss_scaler): a skipped step never reaches the optimizer, so it is accounted here as
+        the optimizer's own gate accounts one of its micro-batches (``last_step_skipped``;
+        with ``count_skipped_steps`` it advances ``num_update``, so an ``lr_scheduler``)."""
+        self._ledger.last_step_skipped = not applied
+        if not applied:
+            self.num_update = self._ledger.skipped(self.num_update, 1)
+
     def wants_local_flags(self, trainer, window):
         """Whether the Trainer should keep a device-side finite flag of this worker's
         gradients before reducing them: per micro-batch of a window at the Trainer (to name

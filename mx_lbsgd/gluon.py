@@ -72,7 +72,7 @@ class LossScaling(overflow._OverflowViews):
                                  % (type(t.optimizer).__name__, t.optimizer.loss_scaler))
         self.scaler = _as_scaler(scaler, 'scaler')
         self.force = bool(force)
-        self.fused = fused
+        self.fused = check_choice('fused', fused, (None, True, False))
         self.last_step_skipped = False
         self.check_local = check_choice('check_local', check_local, (False, True))
         self._overflow = overflow._OverflowMonitor(
@@ -82,6 +82,7 @@ class LossScaling(overflow._OverflowViews):
         self._active = None            # decided on first use, once gradients exist
         self._reduced = False
         self._unscaled = False
+        self._means = None             # per trainer, the mean-over-workers factor unscale() used
         for t in self.trainers:
             _binding.bind(t, window=False).loss_scaling = weakref.ref(self)
 
@@ -89,12 +90,12 @@ class LossScaling(overflow._OverflowViews):
     def scale(self):
         return self.scaler.scale if self._is_active() else 1.0
 
-    def _params(self):
-        return [p for t in self.trainers for p in _compat.trainer_params(t)
-                if p.grad_req != 'null']
+    def _params(self, trainers=None):
+        return [p for t in (self.trainers if trainers is None else trainers)
+                for p in _compat.trainer_params(t) if p.grad_req != 'null']
 
-    def _grads(self):
-        return [_compat.legacy(g) for p in self._params() for g in p.list_grad()]
+    def _grads(self, trainers=None):
+        return [_compat.legacy(g) for p in self._params(trainers) for g in p.list_grad()]
 
     def _is_active(self):
         if self._active is None:
@@ -128,17 +129,29 @@ class LossScaling(overflow._OverflowViews):
         return loss * scale
 
     def unscale(self):
-        """Divide the (all-reduced) gradients by the scale in place, e.g. before clipping."""
+        """All-reduce, then divide the gradients by the scale in place, e.g. before clipping.
+
+        Afterwards every device's gradient holds the mean over workers of each worker's
+        gradient (summed over its samples and devices), whatever the engine: MXNet's
+        reductions sum over workers (``dist_*`` kvstores, Horovod on CPU/gloo) or average
+        (Horovod with NCCL >= 2.10), and the factor that makes the mean is folded into the
+        same pass (`step` folds it back into ``rescale_grad``, so the update is unchanged).
+        One worker's gradients are only divided by the scale."""
         if self._unscaled:
             raise RuntimeError('unscale() was already called since the last step()')
         self._prepare()
-        if self._is_active():
-            _kernels.scale_in_place(self._grads(), 1.0 / self.scaler.scale)
+        scale = self.scaler.scale if self._is_active() else 1.0
+        self._means = [_compat.reduced_gradient_mean_factor(t) for t in self.trainers]
+        for trainer, mean in zip(self.trainers, self._means):
+            if mean / scale != 1.0:
+                _kernels.scale_in_place(self._grads([trainer]), mean / scale)
         self._unscaled = True
 
     def clip_global_norm(self, max_norm):
-        """Clip the unscaled gradients to a global L2 norm of `max_norm` on each device.
-        Returns the norm (an NDArray on the first device) without a host sync."""
+        """Clip the unscaled gradients to a global L2 norm of `max_norm` on each device
+        (the norm of the mean over workers, see `unscale`: the same threshold on one
+        worker or many). Returns the norm (an NDArray on the first device) without a host
+        sync."""
         if not self._unscaled:
             raise RuntimeError('call unscale() before clip_global_norm(): the gradients are '
                                'still multiplied by the loss scale')
@@ -160,10 +173,17 @@ class LossScaling(overflow._OverflowViews):
         elif active:
             self._report(scale)
         self._local_flag = None
+        for t in self.trainers:
+            account = getattr(t.optimizer, 'step_outside', None)
+            if account is not None:       # an mx_lbsgd optimizer: count_skipped_steps etc.
+                account(applied)
         if applied:
             fold = 1.0 if (self._unscaled or not active) else _scaling.unscale_factor(scale)
-            for t in self.trainers:
-                t.update(batch_size / fold, ignore_stale_grad)
+            for t, mean in zip(self.trainers, self._means if self._unscaled
+                               else [1.0] * len(self.trainers)):
+                # after unscale() the gradients hold the mean over workers: the update's
+                # rescale_grad (Trainer scale / batch) takes the factor back
+                t.update(batch_size / fold * mean, ignore_stale_grad)
         self.last_step_skipped = not applied
         self._reduced = self._unscaled = False
         return applied

@@ -1,0 +1,178 @@
+"""The LossScaling hook (issue 30): count_skipped_steps works under it as inside the
+optimizers, and its own operations (unscale, clip_global_norm, the finite check) do not
+depend on how the engine reduces the gradients: several devices in one process here,
+Horovod in tests/test_hook_horovod.py."""
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+import mx_lbsgd
+from mx_lbsgd import _compat
+from harness import digits, mlp
+
+X, Y, _, _ = digits()
+LOSS = gluon.loss.SoftmaxCrossEntropyLoss()
+BATCH = 16
+OVERFLOW = (1, 4, 5)
+
+
+def _scheduler(name):
+    if name == 'lblamb':
+        return mx_lbsgd.WarmupScheduler(base_lr=0.01, warmup_steps=3, strategy='linear',
+                                        decay='poly', power=1, max_update=12)
+    return mx.lr_scheduler.FactorScheduler(step=2, factor=0.5, base_lr=0.1)
+
+
+def _train(name, count, hook, steps=8):
+    """`steps` steps with overflows at OVERFLOW: the loss scaler inside the optimizer
+    (hook=False) or the LossScaling hook over the same optimizer without one."""
+    net = mlp(hidden=16)
+    scaler = mx_lbsgd.DynamicLossScaler(init_scale=2.0 ** 6, growth_interval=2)
+    params = dict(learning_rate=None, lr_scheduler=_scheduler(name), count_skipped_steps=count)
+    if name == 'lbsgd':
+        params.update(momentum=0.9, warmup_epochs=0)
+    if not hook:
+        params['loss_scaler'] = scaler
+    trainer = gluon.Trainer(net.collect_params(), name, params, kvstore=None)
+    scaling = mx_lbsgd.LossScaling(trainer, scaler, force=True) if hook else None
+    seen = []
+    for step in range(steps):
+        x, y = nd.array(X[step * BATCH:(step + 1) * BATCH]), nd.array(Y[step * BATCH:
+                                                                      (step + 1) * BATCH])
+        with autograd.record():
+            loss = LOSS(net(x), y) * scaler.scale
+            if step in OVERFLOW:
+                loss = loss * float('inf')
+        loss.backward()
+        applied = scaling.step(BATCH) if hook else trainer.step(BATCH) is None and \
+            not trainer.optimizer.last_step_skipped
+        opt = trainer.optimizer
+        seen.append((applied, opt.last_step_skipped, opt.num_update, opt.learning_rate,
+                     scaler.scale))
+    return seen, [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+@pytest.mark.parametrize('count', [True, False])
+@pytest.mark.parametrize('name', ['lbsgd', 'lblamb'])
+def test_count_skipped_steps_under_the_hook_as_inside_the_optimizer(name, count):
+    inside, w_inside = _train(name, count, hook=False)
+    hooked, w_hooked = _train(name, count, hook=True)
+    assert [s[0] for s in hooked] == [s not in OVERFLOW for s in range(len(hooked))]
+    assert hooked == inside
+    for a, b in zip(w_inside, w_hooked):
+        np.testing.assert_array_equal(a, b)
+    # what the flag changes: with it, every step advances the schedule
+    assert hooked[-1][2] == (len(hooked) if count else len(hooked) - len(OVERFLOW))
+
+
+# -- engines -----------------------------------------------------------------------------
+def _hook_step(ctxs, clip, mean=None, monkeypatch=None, scale=2.0 ** 10):
+    """One hooked step of batch BATCH split over `ctxs` (kvstore 'device' when > 1):
+    (the gradients after unscale() on every device, the norm clip returned, the weights).
+    `mean`: pretend the reduction left this multiple of the mean over workers."""
+    if mean is not None:
+        monkeypatch.setattr(_compat, 'reduced_gradient_mean_factor', lambda t: mean)
+    net = mlp(hidden=16)
+    net.collect_params().reset_ctx(ctxs)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', dict(
+        learning_rate=0.1, momentum=0.9), kvstore='device' if len(ctxs) > 1 else None,
+        update_on_kvstore=False)
+    scaling = mx_lbsgd.LossScaling(trainer, scale, force=True)
+    xs = gluon.utils.split_and_load(X[:BATCH], ctxs)
+    ys = gluon.utils.split_and_load(Y[:BATCH], ctxs)
+    with autograd.record():
+        losses = scaling.scale_loss([LOSS(net(x), y) for x, y in zip(xs, ys)])
+    autograd.backward(losses)
+    scaling.unscale()
+    grads = [[g.asnumpy() for g in p.list_grad()] for p in net.collect_params().values()]
+    norm = scaling.clip_global_norm(clip).asscalar() if clip else None
+    assert scaling.step(BATCH)
+    return grads, norm, [p.data(c).asnumpy() for p in net.collect_params().values()
+                         for c in p.list_ctx()]
+
+
+def _reference(clip):
+    """One process, one device, no hook: the gradient of the whole batch, clipped."""
+    net = mlp(hidden=16)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', dict(learning_rate=0.1,
+                                                              momentum=0.9), kvstore=None)
+    with autograd.record():
+        loss = LOSS(net(nd.array(X[:BATCH])), nd.array(Y[:BATCH]))
+    loss.backward()
+    grads = [p.grad().asnumpy() for p in net.collect_params().values()]
+    norm = None
+    if clip:
+        norm = gluon.utils.clip_global_norm([p.grad() for p in net.collect_params().values()],
+                                            clip)
+    trainer.step(BATCH)
+    return grads, norm, [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+@pytest.mark.parametrize('clip', [None, 1.0])
+@pytest.mark.parametrize('devices', [1, 2, 4])
+def test_unscale_and_clip_are_the_same_on_any_number_of_devices(devices, clip):
+    """After allreduce_grads() on a 'device' kvstore every device holds the sum over the
+    devices, i.e. the worker's gradient: unscale() gives it on every device, clipping
+    clips its norm, and the update equals the one-device run without a hook."""
+    ref_grads, ref_norm, ref_weights = _reference(clip)
+    grads, norm, weights = _hook_step([mx.cpu(k) for k in range(devices)], clip)
+    for ref, copies in zip(ref_grads, grads):
+        assert len(copies) == devices
+        for g in copies:
+            np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-7)
+    if clip:
+        assert ref_norm > clip          # the clip bites
+        np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
+    for k, w in enumerate(weights):
+        np.testing.assert_allclose(w, ref_weights[k // devices], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('devices', [1, 2])
+def test_the_mean_over_workers_is_folded_back_into_the_update(monkeypatch, devices):
+    """A reduction that leaves W times the mean (dist_* kvstores, Horovod on gloo) or the
+    mean (Horovod with NCCL): unscale() turns it into the mean, and the update is the
+    same as without the factor (it goes back into rescale_grad)."""
+    ctxs = [mx.cpu(k) for k in range(devices)]
+    plain, _, w_plain = _hook_step(ctxs, None)
+    halved, _, w_halved = _hook_step(ctxs, None, mean=0.5, monkeypatch=monkeypatch)
+    for a, b in zip(plain, halved):
+        for ga, gb in zip(a, b):
+            np.testing.assert_array_equal(ga * 0.5, gb)
+    for a, b in zip(w_plain, w_halved):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mean_factor_of_local_engines():
+    net = mlp(hidden=16)
+    for kvstore, ctxs in ((None, [mx.cpu()]), ('device', [mx.cpu(0), mx.cpu(1)]),
+                          ('local', [mx.cpu(0), mx.cpu(1)])):
+        net.collect_params().reset_ctx(ctxs)
+        trainer = gluon.Trainer(net.collect_params(), 'sgd', kvstore=kvstore,
+                                update_on_kvstore=False)
+        assert _compat.reduced_gradient_mean_factor(trainer) == 1.0
+
+
+def test_finite_check_sees_an_overflow_on_any_device():
+    """The skip decision covers every device's copy after the reduction: an inf planted on
+    the second device only (after allreduce_grads) skips the step on both."""
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    net = mlp(hidden=16)
+    net.collect_params().reset_ctx(ctxs)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', dict(learning_rate=0.1),
+                            kvstore='device', update_on_kvstore=False)
+    scaling = mx_lbsgd.LossScaling(trainer, 8.0, force=True)
+    before = [p.data(c).asnumpy() for p in net.collect_params().values() for c in ctxs]
+    xs = gluon.utils.split_and_load(X[:BATCH], ctxs)
+    ys = gluon.utils.split_and_load(Y[:BATCH], ctxs)
+    with autograd.record():
+        losses = scaling.scale_loss([LOSS(net(x), y) for x, y in zip(xs, ys)])
+    autograd.backward(losses)
+    scaling.unscale()
+    list(net.collect_params().values())[0].list_grad()[1][0, 0] = np.inf
+    assert not scaling.step(BATCH)
+    after = [p.data(c).asnumpy() for p in net.collect_params().values() for c in ctxs]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert list(scaling.last_overflow.parameters) == [
+        list(net.collect_params().values())[0].name]
