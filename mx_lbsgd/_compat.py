@@ -336,7 +336,7 @@ def wrap_trainer_step(trainer, reduce, update):
     Every Trainer the package drives is bound here once: a Horovod DistributedTrainer also
     gets the exit drain (`horovod_worker`)."""
     if _is_horovod_trainer(trainer):
-        _horovod_exit._install()
+        _horovod_exit._install(refresh=True)
     original_reduce = _weak_method(trainer, '_allreduce_grads')
     original_update = _weak_method(trainer, '_update')
     trainer._allreduce_grads = lambda: reduce(original_reduce)
@@ -400,7 +400,8 @@ def creating_module_worker():
     Every optimizer of the package calls this when it is created: under an initialized
     Horovod (``hvd.DistributedOptimizer`` wraps it for Module) that registers the exit drain
     (`horovod_worker`)."""
-    horovod_worker()
+    if horovod_worker() is not None:
+        _horovod_exit._install(refresh=True)
     local = _init_optimizer_locals()
     kv = local.get('kvstore') if local is not None else None
     if not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:

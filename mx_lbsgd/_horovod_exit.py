@@ -10,9 +10,11 @@ queued collective; MXNet 1.9.1 records those failures in the engine's list of ex
 (a collective pushed after the shutdown never completes) a hang. Draining the engine before
 Horovod's hook runs leaves nothing for it to fail.
 
-The package registers `_drain_at_exit` whenever one of its Horovod paths sees an initialized
-Horovod (`mx_lbsgd._compat.horovod_worker` and the DistributedTrainer checks), re-registering
-it each time so that it stays after the newest ``hvd.init()``'s hook.
+The package registers `_drain_at_exit` when one of its Horovod paths first sees an initialized
+Horovod (`mx_lbsgd._compat`: a Horovod DistributedTrainer bound, an optimizer created under
+Horovod, the worker checks of overflow reports and the noise-scale monitor), and registers it
+again at each later Trainer binding or optimizer creation, so that it stays after the hook of
+an ``hvd.init()`` called again in between.
 """
 import atexit
 import os
@@ -30,11 +32,20 @@ _DEFAULT_TIMEOUT = 120.0
 _FAILED_TIMEOUT = 5.0
 
 
-def _install():
-    """Register the drain to run before every ``hvd.shutdown`` registered so far (idempotent:
-    one registration, moved to the front of the LIFO order)."""
+_registered = [False]
+
+
+def _install(refresh=False):
+    """Register the drain with ``atexit`` (once), so that it runs before every
+    ``hvd.shutdown`` registered so far. `refresh`: register it again even if it was (moved
+    to the front of the LIFO order, after an ``hvd.init()`` called since); for the rare call
+    sites only (a Trainer bound, an optimizer created): CPython's ``atexit.unregister``
+    leaves a slot behind."""
+    if _registered[0] and not refresh:
+        return
     atexit.unregister(_drain_at_exit)
     atexit.register(_drain_at_exit)
+    _registered[0] = True
 
 
 def _timeout(failed):
