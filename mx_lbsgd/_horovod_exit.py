@@ -24,7 +24,7 @@ import threading
 import mxnet as mx
 
 #: Seconds the exit hook waits for MXNet's engine (environment variable, float).
-TIMEOUT_ENV = 'MX_LBSGD_HOROVOD_EXIT_TIMEOUT'
+_TIMEOUT_ENV = 'MX_LBSGD_HOROVOD_EXIT_TIMEOUT'
 _DEFAULT_TIMEOUT = 120.0
 #: After an uncaught exception: the collectives the peers also run finish in well under a
 #: second; one they never run (they went on to another step) never finishes, and waiting
@@ -49,12 +49,12 @@ def _install(refresh=False):
 
 
 def _timeout(failed):
-    raw = os.environ.get(TIMEOUT_ENV)
+    raw = os.environ.get(_TIMEOUT_ENV)
     try:
         value = float(raw) if raw else _DEFAULT_TIMEOUT
     except ValueError:
         sys.stderr.write('mx_lbsgd: ignoring %s=%r (not a number of seconds); using %g\n'
-                         % (TIMEOUT_ENV, raw, _DEFAULT_TIMEOUT))
+                         % (_TIMEOUT_ENV, raw, _DEFAULT_TIMEOUT))
         value = _DEFAULT_TIMEOUT
     return min(value, _FAILED_TIMEOUT) if failed else value
 
@@ -94,7 +94,7 @@ def _drain_at_exit():
             'mx_lbsgd: MXNet\'s engine still ran Horovod work %gs after the script ended '
             '(a peer exited or is stuck; %s=%s sets the wait); exiting with status 1 before '
             'Horovod\'s and MXNet\'s exit hooks, which would crash or hang on it\n'
-            % (timeout, TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV, '%g' % _DEFAULT_TIMEOUT)))
+            % (timeout, _TIMEOUT_ENV, os.environ.get(_TIMEOUT_ENV, '%g' % _DEFAULT_TIMEOUT)))
         _flush()
         os._exit(1)
     if 'error' in outcome:
