@@ -1,0 +1,49 @@
+"""One rank of tests/test_hook_horovod.py: the LossScaling hook over Horovod's
+DistributedTrainer, unscale() and clip_global_norm() on this rank's shard; writes what the
+gradients held after unscale(), the norms and the weights to OUT/rank<r>.npz."""
+import json
+import os
+import sys
+
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+import horovod.mxnet as hvd
+
+import mx_lbsgd
+from harness import digits, mlp
+
+
+def main(cfg, out):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x_all, y_all, _, _ = digits()
+    net = mlp(hidden=16)
+    params = net.collect_params()
+    hvd.broadcast_parameters(params, root_rank=0)
+    trainer = hvd.DistributedTrainer(params, 'sgd', dict(learning_rate=0.1, momentum=0.9))
+    scaling = mx_lbsgd.LossScaling(trainer, cfg['scale'], force=True)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    record = {}
+    per_rank = cfg['batch'] // size
+    for step in range(cfg['steps']):
+        lo = step * cfg['batch'] + rank * per_rank
+        x, y = nd.array(x_all[lo:lo + per_rank]), nd.array(y_all[lo:lo + per_rank])
+        with autograd.record():
+            loss = scaling.scale_loss(loss_fn(net(x), y))
+        loss.backward()
+        scaling.unscale()
+        for i, p in enumerate(params.values()):
+            record['grad%d_%d' % (step, i)] = p.grad().asnumpy()
+        if cfg['clip']:
+            record['norm%d' % step] = scaling.clip_global_norm(cfg['clip']).asnumpy()
+        assert scaling.step(per_rank)      # Horovod's convention: this worker's batch
+    for i, p in enumerate(params.values()):
+        record['weight%d' % i] = p.data().asnumpy()
+    record['mean_factor'] = np.array(mx_lbsgd._compat.reduced_gradient_mean_factor(trainer))
+    np.savez(os.path.join(out, 'rank%d.npz' % rank), **record)
+    mx.nd.waitall()
+
+
+if __name__ == '__main__':
+    main(json.loads(sys.argv[1]), sys.argv[2])
