@@ -253,31 +253,72 @@ def bench_calls(monkeypatch):
     seen = {}
     for name in ('bench_step', 'bench_loss_scale', 'bench_shapes'):
         monkeypatch.setattr('mx_lbsgd.demo.%s.main' % name,
-                            lambda argv, _name=name: seen.update(module=_name, argv=argv))
+                            lambda argv, prog=None, _name=name: seen.update(
+                                module=_name, argv=argv, prog=prog))
     return seen
 
 
 def test_bench_runs_the_benchmark_module(bench_calls):
+    """No flag: bench_shapes (the benchmark the README reports); --step: the superseded
+    bench_step; --loss-scale: bench_loss_scale. Each gets its own prog for its help."""
     seen = bench_calls
+    assert main(['bench']) == 0
+    assert seen == dict(module='bench_shapes', argv=[], prog='mx-lbsgd bench')
     assert main(['bench', '--rounds', '1', '--dtypes', 'float32']) == 0
-    assert seen == dict(module='bench_step', argv=['--rounds', '1', '--dtypes', 'float32'])
+    assert seen == dict(module='bench_shapes', argv=['--rounds', '1', '--dtypes', 'float32'],
+                        prog='mx-lbsgd bench')
+    assert main(['bench', '--step', '--rounds', '1']) == 0
+    assert seen == dict(module='bench_step', argv=['--rounds', '1'], prog='mx-lbsgd bench --step')
     assert main(['bench', '--loss-scale', '--quick']) == 0
-    assert seen == dict(module='bench_loss_scale', argv=['--quick'])
+    assert seen == dict(module='bench_loss_scale', argv=['--quick'],
+                        prog='mx-lbsgd bench --loss-scale')
 
 
 def test_bench_shapes_runs_the_shapes_module(bench_calls):
     seen = bench_calls
-    assert main(['bench', '--shapes', '--quick', '--only', 'sweep']) == 0
-    assert seen == dict(module='bench_shapes', argv=['--quick', '--only', 'sweep'])
-    assert main(['bench', '--shapes', '--', '--help']) == 0
+    assert main(['bench', '--shapes', '--quick', '--only', 'sweep']) == 0   # the former flag
+    assert seen == dict(module='bench_shapes', argv=['--quick', '--only', 'sweep'],
+                        prog='mx-lbsgd bench')
+    assert main(['bench', '--', '--help']) == 0
     assert seen['argv'] == ['--help']
-    assert main(['bench', '--shapes', '--loss-scale']) == 2      # one benchmark at a time
+    assert main(['bench', '--help-benchmark']) == 0
+    assert seen['argv'] == ['--help']
+    assert main(['bench', '--step', '--loss-scale']) == 2      # one benchmark at a time
+
+
+@pytest.mark.parametrize('flags, prog', [([], 'mx-lbsgd bench'),
+                                         (['--step'], 'mx-lbsgd bench --step'),
+                                         (['--loss-scale'], 'mx-lbsgd bench --loss-scale')])
+def test_bench_sub_help_names_the_command(flags, prog, capsys):
+    assert main(['bench'] + flags + ['--help-benchmark']) == 0
+    text = capsys.readouterr().out
+    assert text.startswith('usage: %s [-h]' % prog), text[:200]
+    assert main(['bench'] + flags + ['--', '--help']) == 0
+    assert capsys.readouterr().out.startswith('usage: %s [-h]' % prog)
+
+
+def test_bench_help_says_what_runs(capsys):
+    assert main(['bench', '--help']) == 0
+    text = ' '.join(capsys.readouterr().out.split())
+    assert 'By default runs mx_lbsgd.demo.bench_shapes' in text
+    assert '--step' in text and 'superseded' in text
+
+
+def test_train_help_describes_every_panel_of_training_png(capsys):
+    from mx_lbsgd.demo.plots import TRAINING_PANELS
+    assert main(['train', '--help']) == 0
+    text = ' '.join(capsys.readouterr().out.split())
+    png = text[text.index('training.png ('):text.index(') to --out')]
+    for panel in ('test accuracy', 'learning rate', 'loss scale', 'train loss',
+                  'B_simple per epoch'):
+        assert panel in png, png
+    assert len(TRAINING_PANELS) == 4        # the four above, plus B_simple
 
 
 def test_bench_script_argument_error_passes_through(capsys):
-    # bench_step's own argparse rejects this before any benchmarking starts
+    # the benchmark's own parser rejects this before any benchmarking starts
     assert main(['bench', '--dtypes', 'float64']) == 2
-    assert 'float64' in capsys.readouterr().err
+    _one_line_error(capsys.readouterr().err, 'mx-lbsgd bench: error:', 'float64')
 
 
 # -- every command from the installed package, away from the source checkout --------------
@@ -302,13 +343,13 @@ INSTALLED_COMMANDS = [
     pytest.param(['schedule', '--warmup-steps', '8', '--batch-scale', '4', '--mxnet',
                   '--plot', 'warmup.png'], ['mxnet:linear', 'wrote warmup.png'],
                  id='schedule-mxnet-plot'),
-    pytest.param(['bench', '--rounds', '1', '--dtypes', 'float32', '--only',
+    pytest.param(['bench', '--step', '--rounds', '1', '--dtypes', 'float32', '--only',
                   'mxnet SGD (per-tensor)', 'lbsgd linear'], ['| float32 | lbsgd linear |'],
-                 id='bench'),
+                 id='bench-step'),
     pytest.param(['bench', '--loss-scale', '--quick', '--rounds', '1', '--warmup', '0',
                   '--dtypes', 'float32'], ['| float32 | ours-hook |'], id='bench-loss-scale'),
-    pytest.param(['bench', '--shapes', '--quick', '--rounds', '1', '--only', 'loss-scale',
-                  '--plot', ''], ['Loss-scaled gluon.Trainer step'], id='bench-shapes'),
+    pytest.param(['bench', '--quick', '--rounds', '1', '--only', 'loss-scale'],
+                 ['Loss-scaled gluon.Trainer step'], id='bench'),
     pytest.param(['study', '--tiny', '--methods', 'sgd', 'lbsgd-linear', '--batch-sizes',
                   '128', '--quiet', '--out', 'study'], ['| lbsgd-linear |', 'study.json'],
                  id='study'),
@@ -330,6 +371,7 @@ def test_every_command_runs_from_the_installed_package(argv, words, tmp_path):
     for word in words:
         assert word in proc.stdout, (word, proc.stdout)
     assert 'opened ' not in proc.stderr
+    assert not (tmp_path / 'docs').exists()         # nothing written unasked
 
 
 def test_launch_delegates(monkeypatch):
@@ -344,12 +386,15 @@ def test_train_dist_sync_two_workers_rank0_writes(tmp_path):
     out = tmp_path / 'dist'
     worker = [sys.executable, '-m', 'mx_lbsgd', 'train', '--single', '--kvstore',
               'dist_sync', '--epochs', '1', '--no-steps', '--out', str(out)]
+    # generous bounds, not deadlines: the job ends by itself in ~1 min when idle, and
+    # took 80 s alone and more at load average 12 on 2 cores
     proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'launch', '-n', '2',
-                           '--timeout', '120', '--'] + worker, cwd=str(tmp_path),
-                          env=_env(), capture_output=True, text=True, timeout=180)
+                           '--timeout', '900', '--'] + worker, cwd=str(tmp_path),
+                          env=_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # only kv.rank 0 reports (the launcher's [worker N] labels need not match kv.rank)
+    # only kv.rank 0 reports, labelled by the launcher with its kv.rank
     assert proc.stdout.count('] test accuracy') == 1
+    assert '[worker 0] test accuracy' in proc.stdout, proc.stdout
     summary = json.loads((out / 'summary.json').read_text())
     assert summary['num_workers'] == 2 and summary['rank'] == 0
     assert summary['effective_batch_size'] == 64

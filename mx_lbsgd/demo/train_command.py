@@ -53,7 +53,9 @@ def _parser():
         'metrics.csv (one row per epoch), steps.csv (one row per step, with the lr and '
         'the loss scale), baseline-metrics.csv, baseline-steps.csv, summary.json and '
         'training.png (both runs: test accuracy, learning rate, loss scale with the '
-        'skipped steps, train loss) to --out. --single trains one run with the former '
+        'skipped steps, train loss; and, for a main run the gradient noise scale monitor '
+        'watches, a fifth panel: B_simple per epoch, log scale, with the effective batch '
+        'as a horizontal line) to --out. --single trains one run with the former '
         'defaults (batch 32 x 1, float32, 15 epochs, warmup 1 epoch), as before.'
         % (demo['batch_scale'], 32 * demo['batch_scale'], demo['warmup_epochs'],
            demo['epochs'])),
@@ -109,9 +111,11 @@ def _parser():
     p.add_argument('--no-baseline', action='store_true',
                    help='skip the baseline run (keeps the defaults of the main run)')
     p.add_argument('--kvstore', choices=('local', 'device', 'dist_sync', 'horovod'),
-                   help='default: none. dist_sync: run under "mx-lbsgd launch"; horovod: '
-                        'run under "horovodrun --gloo -np 2 -H localhost:2"; each worker '
-                        'trains on its shard (by rank), only rank 0 writes --out')
+                   help='default: none. dist_sync: run under "mx-lbsgd launch" (whose '
+                        'output label [worker R] is the kvstore rank R); horovod: run under '
+                        '"horovodrun --gloo -np 2 -H localhost:2"; each worker trains on '
+                        'its shard (by kv.rank / hvd.rank), and only rank 0 prints the '
+                        'results and writes --out')
     p.add_argument('--hidden', type=_hidden, default=d.hidden, metavar='N[,N...]',
                    help='hidden layer sizes (default 64,64)')
     p.add_argument('--target', type=number(float, 0, 1), default=d.target,
