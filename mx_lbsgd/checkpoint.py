@@ -10,8 +10,9 @@ What a file holds: the per-parameter states of every device (momentum, fp32 mast
 accumulators: before a window is reduced they differ between devices, and MXNet's own
 ``Trainer.save_states`` keeps only the first device's), and the optimizer's progress: the
 update counters (which also say where an accumulation window is), ``num_update``, the
-learning rate and its scheduler and, for mx_lbsgd's optimizers, the loss scaler. Loading puts all of it into the
-live optimizer, so objects that hold its scaler keep seeing the live one. Files written by
+learning rate and its scheduler and, for mx_lbsgd's optimizers, the loss scaler; for a
+Trainer with a `LossScaling` hook, the hook's scaler too. Loading puts all of it into the
+live objects, so code that holds a scaler keeps seeing the live one. Files written by
 MXNet's ``save_states``/``save_optimizer_states`` and by mx_lbsgd 0.1 load too.
 
 Safety: a file is read with a restricted unpickler (`_Unpickler`) that accepts MXNet
@@ -31,9 +32,10 @@ earlier checkpoint". The magic begins with a tiny pickle program that calls
 names this module's loader instead of "pickle data was truncated"; that function only
 raises, and this module's reader strips the magic before it unpickles anything. Files
 written before that header existed (magic ``MXLBSGD-STATES\x00\x02``) load as before.
-``save_checkpoint`` writes a ``.sha256`` sidecar next to the symbol and params files (MXNet's formats, which MXNet's loaders read as they are); `load_checkpoint`
-checks them. Loading validates every state against the target's parameters (keys, layout,
-shapes, dtypes) before it changes anything.
+``save_checkpoint`` writes a ``.sha256`` sidecar next to the symbol and params files
+(MXNet's formats, which MXNet's loaders read as they are); `load_checkpoint` checks them.
+Loading validates every state against the target's parameters (keys, layout, shapes,
+dtypes) and the scaler states before it changes anything.
 """
 import hashlib
 import io

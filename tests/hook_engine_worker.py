@@ -1,6 +1,7 @@
-"""One rank of tests/test_hook_horovod.py: the LossScaling hook over Horovod's
-DistributedTrainer, unscale() and clip_global_norm() on this rank's shard; writes what the
-gradients held after unscale(), the norms and the weights to OUT/rank<r>.npz."""
+"""One worker of tests/test_hook_distributed.py: the LossScaling hook over Horovod's
+DistributedTrainer (cfg engine 'horovod') or a Trainer on a dist_sync kvstore ('dist_sync'),
+unscale() and clip_global_norm() on this worker's shard; writes what the gradients held
+after unscale(), the norms and the weights to OUT/rank<r>.npz."""
 import json
 import os
 import sys
@@ -8,20 +9,29 @@ import sys
 import numpy as np
 import mxnet as mx
 from mxnet import autograd, gluon, nd
-import horovod.mxnet as hvd
 
 import mx_lbsgd
 from harness import digits, mlp
 
 
 def main(cfg, out):
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
     x_all, y_all, _, _ = digits()
     net = mlp(hidden=16)
     params = net.collect_params()
-    hvd.broadcast_parameters(params, root_rank=0)
-    trainer = hvd.DistributedTrainer(params, 'sgd', dict(learning_rate=0.1, momentum=0.9))
+    sgd = dict(learning_rate=0.1, momentum=0.9)
+    if cfg['engine'] == 'horovod':
+        import horovod.mxnet as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        hvd.broadcast_parameters(params, root_rank=0)
+        trainer = hvd.DistributedTrainer(params, 'sgd', sgd)
+        step_batch = cfg['batch'] // size        # Horovod's convention: this worker's batch
+    else:
+        kv = mx.kv.create('dist_sync')
+        rank, size = kv.rank, kv.num_workers
+        trainer = gluon.Trainer(params, 'sgd', sgd, kvstore=kv, update_on_kvstore=False)
+        step_batch = cfg['batch']                # dist_sync: the batch of all workers
+        mx_lbsgd.init_kvstore(trainer, step_batch)
     scaling = mx_lbsgd.LossScaling(trainer, cfg['scale'], force=True)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     record = {}
@@ -37,7 +47,7 @@ def main(cfg, out):
             record['grad%d_%d' % (step, i)] = p.grad().asnumpy()
         if cfg['clip']:
             record['norm%d' % step] = scaling.clip_global_norm(cfg['clip']).asnumpy()
-        assert scaling.step(per_rank)      # Horovod's convention: this worker's batch
+        assert scaling.step(step_batch)
     for i, p in enumerate(params.values()):
         record['weight%d' % i] = p.data().asnumpy()
     record['mean_factor'] = np.array(mx_lbsgd._compat.reduced_gradient_mean_factor(trainer))

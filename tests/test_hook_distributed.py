@@ -1,10 +1,12 @@
-"""The LossScaling hook under Horovod (issue 30), 2 ranks started by horovodrun (gloo, CPU).
+"""The LossScaling hook on 2 workers (issue 30): Horovod started by horovodrun (gloo, CPU)
+and a dist_sync kvstore started by mx_lbsgd.launch.
 
-Horovod's DistributedTrainer on this build averages in the framework: after
-``allreduce_grads()`` the gradients hold the sum over ranks and the Trainer's scale carries
-1/size. The hook's unscale() must leave the mean over workers (what one worker's gradient
-is on one process), clip_global_norm() must clip that, and the update must equal the
-one-process run on the whole batch."""
+After ``allreduce_grads()`` both hold the sum over workers here (dist_sync's servers sum;
+Horovod on this build averages in the framework: the allreduce sums and the Trainer's scale
+carries 1/size). The hook's unscale() must leave the mean over workers (one worker's
+gradient on one process), clip_global_norm() must clip that, and the update must equal
+the one-process run on the whole batch."""
+import io
 import json
 import os
 import subprocess
@@ -13,14 +15,12 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip('horovod.mxnet')
+from mxnet import autograd, gluon, nd
 
-import mxnet as mx  # noqa: E402
-from mxnet import autograd, gluon, nd  # noqa: E402
+from harness import digits, horovodrun, mlp
+from mx_lbsgd.launch import launch
 
-from harness import digits, horovodrun, mlp  # noqa: E402
-
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hook_hvd_worker.py')
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hook_engine_worker.py')
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
 
 
@@ -51,21 +51,35 @@ def reference(cfg):
     return grads, norms, [p.data().asnumpy() for p in params.values()]
 
 
+def _pythonpath():
+    return os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(WORKER)),
+                                         os.environ.get('PYTHONPATH')]))
+
+
+def _run(engine, cfg, tmp_path):
+    argv = [sys.executable, WORKER, json.dumps(dict(cfg, engine=engine)), str(tmp_path)]
+    if engine == 'horovod':
+        pytest.importorskip('horovod.mxnet')
+        proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2'] + argv,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=_pythonpath()))
+        return proc.returncode, proc.stdout
+    out = io.StringIO()
+    code = launch(argv, 2, 1, timeout=300, stream=out, env={'PYTHONPATH': _pythonpath()})
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize('engine', ['horovod', 'dist_sync'])
 @pytest.mark.parametrize('clip', [None, 1.0])
-def test_hook_unscale_and_clip_see_the_mean_over_ranks(tmp_path, clip):
+def test_hook_unscale_and_clip_see_the_mean_over_workers(tmp_path, engine, clip):
     cfg = dict(steps=3, batch=32, scale=1024.0, clip=clip)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-        os.path.dirname(os.path.dirname(WORKER)), os.environ.get('PYTHONPATH')])))
-    proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
-                       sys.executable, WORKER, json.dumps(cfg), str(tmp_path)],
-                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                      timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout
+    code, log = _run(engine, cfg, tmp_path)
+    assert code == 0, log
     ranks = [np.load(str(tmp_path / ('rank%d.npz' % r))) for r in range(2)]
     for name in ranks[0].files:                       # both ranks agree
         np.testing.assert_array_equal(ranks[0][name], ranks[1][name])
     saved = ranks[0]
-    assert float(saved['mean_factor']) == 0.5          # this build sums over ranks
+    assert float(saved['mean_factor']) == 0.5          # the reduction sums over workers
     grads, norms, weights = reference(cfg)
     for step, per_param in enumerate(grads):
         for i, g in enumerate(per_param):
