@@ -649,9 +649,16 @@ def _port(text):
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line, ``PROG: error: MESSAGE`` (exit status 2), not the usage."""
+
+    def error(self, message):
+        self.exit(2, f'{self.prog}: error: {message} (see {self.prog} --help)\n')
+
+
 def main(argv=None):
     """Command line: ``mx-lbsgd launch -n WORKERS [-s SERVERS] [--port P] [--timeout S] -- CMD``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog='mx-lbsgd launch',
         description='Run an MXNet dist_sync job (scheduler, servers, workers) on this machine.',
         epilog="Output lines are prefixed [scheduler], [server i] and [worker R], R the "

@@ -33,6 +33,8 @@ def no_work(monkeypatch):
                          (bench_shapes, 'sweep'), (bench_shapes, 'resnet'),
                          (bench_shapes, 'loss_scale'), (study, 'run_many')):
         monkeypatch.setattr(module, name, refuse)
+    monkeypatch.setattr('mx_lbsgd.demo.train.train', refuse)
+    monkeypatch.setattr('mx_lbsgd.launch.launch', refuse)
 
 
 @pytest.mark.parametrize('argv, words', [
@@ -52,6 +54,15 @@ def no_work(monkeypatch):
     (['bench', '--step', '--only', 'nonsense'], ['--only', 'nonsense']),
     (['bench', '--loss-scale', '--quick', '--rounds', '0'], ['--rounds', '>= 1']),
     (['bench', '--loss-scale', '--warmup', '-1'], ['--warmup']),
+    # found by the sweep of every command
+    (['bench', '--plot', 'p.txt'], ['--plot', 'p.txt', 'png']),
+    (['schedule', '--plot', 'w.txt'], ['mx-lbsgd schedule: error:', '--plot', 'w.txt', 'png']),
+    (['train', '--seed', '-1'], ['mx-lbsgd train: error:', '--seed', '>= 0']),
+    (['train', '--seed', '2147483648'], ['--seed', '<= 2147483647']),
+    (['study', '--seed', '2147483648'], ['mx-lbsgd study: error:', '--seed', '<= 2147483647']),
+    (['launch', '-n', '0', '--', 'true'], ['mx-lbsgd launch: error:', '-n', '>= 1']),
+    (['launch', '-n', '1'], ['mx-lbsgd launch: error:', 'command']),
+    (['launch', '-n', '1', '--timeout', '0', '--', 'true'], ['--timeout', '> 0']),
 ])
 def test_bad_input_or_output_is_one_line_before_any_work(argv, words, no_work, capsys):
     assert main(argv) == 2

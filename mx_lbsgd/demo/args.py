@@ -6,7 +6,10 @@ import tempfile
 
 __all__ = ['Parser', 'UsageError', 'number', 'DEMO_MODULES', 'DEMO_INSTALL', 'demo_missing',
            'demo_error', 'require_demo', 'require_writable_dir', 'require_writable_file',
-           'write_or_keep', 'check_output_option']
+           'write_or_keep', 'check_output_option', 'require_plot_file', 'SEED_MAX']
+
+#: the largest --seed of train and study (NumPy's RandomState takes < 2**32; they add to it)
+SEED_MAX = 2 ** 31 - 1
 
 
 class Parser(argparse.ArgumentParser):
@@ -102,6 +105,18 @@ def require_writable_file(prog, option, path):
                      % (prog, option, path, reason))
 
 
+def require_plot_file(prog, option, path):
+    """UsageError naming `option` unless matplotlib can write `path` (a format it knows,
+    by the file's extension; png without one) and the file can be written."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    ext = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        raise UsageError('%s: error: argument %s: cannot plot into %s: matplotlib writes %s '
+                         '(by the extension)' % (prog, option, path, ', '.join(sorted(formats))))
+    require_writable_file(prog, option, path)
+
+
 def write_or_keep(prog, option, path, write, keep_suffix):
     """Call ``write(path)``; if that fails (the folder vanished or filled up after the
     checks), call ``write(spare)`` with a new file in the temporary folder (name ending in
@@ -123,6 +138,9 @@ def write_or_keep(prog, option, path, write, keep_suffix):
 
 def number(kind, low=None, high=None, open_low=False, open_high=False):
     """An argparse type: `kind` (int or float) within the given bounds."""
+    def shown(bound):
+        return '%d' % bound if kind is int else '%g' % bound
+
     def parse(text):
         try:
             value = kind(text)
@@ -132,11 +150,11 @@ def number(kind, low=None, high=None, open_low=False, open_high=False):
         if value != value:
             raise argparse.ArgumentTypeError('invalid number %r' % text)
         if low is not None and (value <= low if open_low else value < low):
-            raise argparse.ArgumentTypeError('must be %s %g, got %s'
-                                             % ('>' if open_low else '>=', low, text))
+            raise argparse.ArgumentTypeError('must be %s %s, got %s'
+                                             % ('>' if open_low else '>=', shown(low), text))
         if high is not None and (value >= high if open_high else value > high):
-            raise argparse.ArgumentTypeError('must be %s %g, got %s'
-                                             % ('<' if open_high else '<=', high, text))
+            raise argparse.ArgumentTypeError('must be %s %s, got %s'
+                                             % ('<' if open_high else '<=', shown(high), text))
         return value
     return parse
 

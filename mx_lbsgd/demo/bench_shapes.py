@@ -44,7 +44,8 @@ import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
 
 from . import bench_step
-from .args import Parser, UsageError, check_output_option, number, require_demo
+from .args import (Parser, UsageError, check_output_option, number, require_demo,
+                   require_plot_file)
 
 __all__ = ['SECTIONS', 'sweep', 'resnet', 'loss_scale', 'report', 'main']
 
@@ -425,9 +426,9 @@ def main(argv=None, prog=None):
                          % args.only)
         try:
             require_demo(parser.prog, ('matplotlib',), what='--plot')
+            require_plot_file(parser.prog, '--plot', args.plot)
         except UsageError as err:
             parser.exit(2, '%s\n' % err)
-        check_output_option(parser, '--plot', args.plot)
     check_output_option(parser, '--json', args.json)
     dtypes = args.dtypes or (['float32'] if args.quick else ['float32', 'float16'])
     # (rounds, steps per round) by section; resnet: rounds per LARS run, 1 step each

@@ -4,7 +4,7 @@ import os
 
 from mx_lbsgd import schedules
 
-from .args import Parser, UsageError, number, require_demo, require_writable_file
+from .args import Parser, UsageError, number, require_demo, require_plot_file
 
 __all__ = ['SHAPES', 'mxnet_multiplier', 'schedule_table', 'main']
 
@@ -85,7 +85,7 @@ def main(argv):
                          'of batch_scale), got %g' % (parser.prog, args.batch_scale))
     if args.plot:
         require_demo(parser.prog, ('matplotlib',), what='--plot')
-        require_writable_file(parser.prog, '--plot', args.plot)
+        require_plot_file(parser.prog, '--plot', args.plot)
     steps = args.steps if args.steps is not None else max(1, (args.warmup_steps * 5) // 4)
     every = args.every or max(1, steps // 20)
     header, rows = schedule_table(args.warmup_steps, args.batch_scale, steps, every,

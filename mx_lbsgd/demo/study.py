@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 
-from .args import (Parser, UsageError, demo_error, demo_missing, number,
+from .args import (SEED_MAX, Parser, UsageError, demo_error, demo_missing, number,
                    require_writable_dir)
 from .data import DATASETS
 
@@ -305,7 +305,8 @@ def _parser(prog):
     p.add_argument('--grid-extend', type=number(int, 0),
                    help='extensions by a factor 2 past an end, each way (default 2; '
                         '--tiny: 0)')
-    p.add_argument('--seed', type=number(int, 0), default=0, help='default %(default)s')
+    p.add_argument('--seed', type=number(int, 0, SEED_MAX), default=0,
+                   help='0 .. %d (default %%(default)s)' % SEED_MAX)
     p.add_argument('--dataset', choices=DATASETS,
                    help='default digits-shifted (--tiny: digits)')
     p.add_argument('--jobs', type=number(int, 1),

@@ -12,7 +12,8 @@ from mx_lbsgd import schedules
 
 from . import config
 from .train import NOISE_SCALE_INTERVAL
-from .args import Parser, UsageError, number, require_demo, require_writable_dir
+from .args import (SEED_MAX, Parser, UsageError, number, require_demo,
+                   require_writable_dir)
 
 __all__ = ['main']
 
@@ -120,8 +121,9 @@ def _parser():
                    help='hidden layer sizes (default 64,64)')
     p.add_argument('--target', type=number(float, 0, 1), default=d.target,
                    help='test accuracy for epochs_to_target (default %(default)s)')
-    p.add_argument('--seed', type=int, default=d.seed,
-                   help='data split, initialization and shuffling (default %(default)s)')
+    p.add_argument('--seed', type=number(int, 0, SEED_MAX), default=d.seed,
+                   help='data split, initialization and shuffling, 0 .. %d (default '
+                        '%%(default)s)' % SEED_MAX)
     p.add_argument('--noise-scale-interval', type=number(int, 0),
                    default=NOISE_SCALE_INTERVAL, metavar='N',
                    help='updates between the host reads of the gradient noise scale '
