@@ -86,8 +86,12 @@ def _drain_at_exit():
         outcome['done'] = True
 
     waiter = threading.Thread(target=wait, name='mx_lbsgd-horovod-exit-drain', daemon=True)
-    waiter.start()
-    waiter.join(timeout)
+    try:
+        waiter.start()
+    except RuntimeError:                # an interpreter that refuses threads at exit
+        wait()
+    else:
+        waiter.join(timeout)
     if 'done' not in outcome:
         _flush()
         sys.stderr.write(
