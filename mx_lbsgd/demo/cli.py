@@ -3,7 +3,7 @@
     mx-lbsgd train [--optimizer lbsgd] [--dtype float16] [--out DIR] ...
     mx-lbsgd mlm [--steps 200] [--batch-scale 4] [--dtype float16] [--horovod] [--out DIR]
     mx-lbsgd schedule --warmup-steps 100 --batch-scale 8 [--plot FILE.png]
-    mx-lbsgd bench [--loss-scale | --step] [ARGS of the benchmark ...]
+    mx-lbsgd bench [--loss-scale | --step | --window] [ARGS of the benchmark ...]
     mx-lbsgd study [--tiny] [--out DIR]
     mx-lbsgd launch -n 2 -- python train.py
 
@@ -32,7 +32,7 @@ _COMMANDS = (
     ('launch', 'run a local dist_sync job (mx_lbsgd.launch)'),
 )
 #: ``mx-lbsgd bench`` flag -> the module whose main(argv, prog) it runs (default: bench_shapes).
-_BENCHMARKS = {'loss_scale': 'bench_loss_scale', 'step': 'bench_step'}
+_BENCHMARKS = {'loss_scale': 'bench_loss_scale', 'step': 'bench_step', 'window': 'bench_window'}
 
 
 def _cmd_train(argv):
@@ -67,6 +67,9 @@ def _cmd_bench(argv):
     which.add_argument('--step', action='store_true',
                        help='run mx_lbsgd.demo.bench_step instead (superseded by the default: '
                             "ResNet-50's shapes only, fused=False/True only)")
+    which.add_argument('--window', action='store_true',
+                       help="run mx_lbsgd.demo.bench_window instead: lblamb's accumulation "
+                            'window (batch_scale=4) against the GluonNLP-style loop')
     which.add_argument('--shapes', action='store_true', help=argparse.SUPPRESS)   # the default
     p.add_argument('--help-benchmark', action='store_true',
                    help="show the chosen benchmark's own options and exit")
