@@ -130,7 +130,7 @@ def test_resume_in_a_new_process_is_bit_for_bit(tmp_path, straight, stop_after):
     proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'mlm'] + RESUME_BASE
                           + ['--out', str(tmp_path), '--resume', str(stopped)],
                           env=_env(), cwd=str(tmp_path), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr
     final = 'checkpoints/micro-batch-0000018'
     a_params, a_states, a_progress = _checkpoint(str(straight / final))
@@ -180,7 +180,7 @@ def _horovodrun(argv, cwd):
                        sys.executable, '-m', 'mx_lbsgd', 'mlm', '--horovod'] + argv,
                       env=_env(OMP_NUM_THREADS='1'), cwd=str(cwd),
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                      timeout=180)
+                      timeout=900)
     assert proc.returncode == 0, proc.stdout
     return proc.stdout
 
