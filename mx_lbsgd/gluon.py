@@ -83,6 +83,7 @@ class LossScaling(overflow._OverflowViews):
         self._reduced = False
         self._unscaled = False
         self._means = None             # per trainer, the mean-over-workers factor unscale() used
+        self.batch_size = None         # of the last step() (GradientNoiseScale reads it)
         for t in self.trainers:
             _binding.bind(t, window=False).loss_scaling = weakref.ref(self)
 
@@ -164,6 +165,7 @@ class LossScaling(overflow._OverflowViews):
 
     def step(self, batch_size, ignore_stale_grad=False):
         """Check, then apply or skip the update, then adjust the scale. True if applied."""
+        self.batch_size = batch_size
         self._prepare()
         active = self._is_active()
         scale = self.scaler.scale

@@ -121,7 +121,7 @@ class GradientNoiseScale:
         every = self.small_every or (opt.batch_scale if self._window_at_trainer() else 1)
         if opt.window_position % every:
             return
-        factor = self._devices / (self._batch(trainer, opt) * self._loss_scale(opt))
+        factor = self._devices / (self._batch(trainer, opt) * self._loss_scale(trainer, opt))
         for grads in _gradients_by_device(trainer):
             self._small.append((_sum_squares(grads), factor ** 2))
 
@@ -135,7 +135,7 @@ class GradientNoiseScale:
         b_small = batch / self._devices
         b_big = batch * workers * window
         big = _sum_squares(_gradients_by_device(trainer)[0])
-        factor = 1.0 / (batch * workers * self._loss_scale(opt))
+        factor = 1.0 / (batch * workers * self._loss_scale(trainer, opt))
         self._pending.append((self._small, (big, factor ** 2), b_small, b_big))
         self._small = []
         self._updates += 1
@@ -183,11 +183,22 @@ class GradientNoiseScale:
     @staticmethod
     def _batch(trainer, opt):
         """Examples per step on this worker: Trainer.step(batch_size) sets rescale_grad to
-        scale / batch_size (Horovod's trainer divides scale by its size as well)."""
+        scale / batch_size (Horovod's trainer divides scale by its size as well). Under a
+        `LossScaling` hook, whose Trainer.update sets rescale_grad only after the
+        reduction (with 1/scale folded in): the batch of the hook's last step (NaN before
+        its first, and the update is left out of the estimates)."""
+        hook = _binding.loss_scaling_of(trainer)
+        if hook is not None:
+            return float(hook.batch_size or math.nan)
         return _compat.trainer_scale(trainer) / opt.rescale_grad
 
     @staticmethod
-    def _loss_scale(opt):
+    def _loss_scale(trainer, opt):
+        """The scale the observed gradients carry: the optimizer's loss scaler's, or the
+        `LossScaling` hook's (1 when the hook is inactive)."""
+        hook = _binding.loss_scaling_of(trainer)
+        if hook is not None:
+            return float(hook.scale)
         scaler = getattr(opt, 'loss_scaler', None)
         return 1.0 if scaler is None else float(scaler.scale)
 

@@ -176,3 +176,51 @@ def test_finite_check_sees_an_overflow_on_any_device():
         np.testing.assert_array_equal(a, b)
     assert list(scaling.last_overflow.parameters) == [
         list(net.collect_params().values())[0].name]
+
+
+# -- the gradient noise scale monitor under the hook ----------------------------------------
+def _noise_history(hook, unscale=False, steps=8):
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    net = mlp(hidden=16)
+    net.collect_params().reset_ctx(ctxs)
+    trainer = gluon.Trainer(net.collect_params(), 'lbsgd', dict(
+        learning_rate=0.05, momentum=0.9, warmup_epochs=0), kvstore='device',
+        update_on_kvstore=False)
+    scaling = (mx_lbsgd.LossScaling(trainer, mx_lbsgd.DynamicLossScaler(
+        init_scale=2.0 ** 10, growth_interval=3), force=True) if hook else None)
+    monitor = mx_lbsgd.GradientNoiseScale(trainer, interval=1, smoothing=0.0)
+    for step in range(steps):
+        xs = gluon.utils.split_and_load(X[step * 32:(step + 1) * 32], ctxs)
+        ys = gluon.utils.split_and_load(Y[step * 32:(step + 1) * 32], ctxs)
+        with autograd.record():
+            losses = [LOSS(net(x), y) for x, y in zip(xs, ys)]
+            if hook:
+                losses = scaling.scale_loss(losses)
+        autograd.backward(losses)
+        if hook:
+            if unscale:
+                scaling.unscale()
+            scaling.step(32)
+        else:
+            trainer.step(32)
+    if hook:
+        assert scaling.scaler.scale == 2.0 ** 12       # it grew twice on the way
+    return [(h['update'], h['b_small'], h['b_big'], h['small_sq'], h['big_sq'])
+            for h in monitor.history]
+
+
+@pytest.mark.parametrize('unscale', [False, True])
+def test_noise_scale_monitor_sees_through_the_hook(unscale):
+    """GradientNoiseScale over a hooked Trainer: the hook's scale and batch are taken out,
+    so the raw norms and batch sizes are those of the same run without the hook (with
+    unscale() before the first step() the batch is not known yet: that update is left
+    out)."""
+    plain = _noise_history(False)
+    hooked = _noise_history(True, unscale)
+    if unscale:
+        assert [h[0] for h in hooked] == [h[0] for h in plain[1:]]
+        plain = plain[1:]
+    assert len(hooked) == len(plain) > 5
+    for a, b in zip(plain, hooked):
+        assert a[:3] == b[:3]
+        np.testing.assert_allclose(b[3:], a[3:], rtol=1e-5)
