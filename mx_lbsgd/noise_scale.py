@@ -13,7 +13,11 @@ The Trainer already holds both gradients. g_small: one device's gradient of one
 micro-batch, before the window sums it and before any reduction (B_small = the
 micro-batch on one device). g_big: the gradient the update applies, after the window and
 the reduction over devices and workers (kvstore ``device``/``dist_sync``, Horovod);
-B_big = B_small * devices * workers * batch_scale. Every norm is a sum of squares on the
+B_big = B_small * devices * workers * batch_scale. The batch sizes come from the step's
+batch argument as the README passes it on each engine (see `GradientNoiseScale`'s
+Notes), the mean over workers from how the engine reduces
+(`_compat.reduced_gradient_mean_factor`: the kvstore's servers and Horovod on CPU sum,
+Horovod with NCCL >= 2.10 averages). Every norm is a sum of squares on the
 device; the host reads them once every `interval` updates. The monitor only reads
 gradients, so training is bit for bit the same with and without it.
 
@@ -65,6 +69,26 @@ class GradientNoiseScale:
         ``big_sq`` (the raw squared norms), ``gradient_sq``, ``trace_sigma``, ``b_simple``
         (smoothed, after this update). Updates whose gradients were not finite (skipped by
         a loss scaler) are left out.
+
+    Notes
+    -----
+    Batch sizes: a gradient does not say how many examples it sums, so the monitor reads
+    them from the batch passed to ``trainer.step(batch)`` (or to the `LossScaling` hook's
+    ``step``), taken as the batch that makes the update apply the mean gradient of the
+    examples that entered it, the convention of the README's recipes:
+
+    - one device, or several with a ``local``/``device`` kvstore: the worker's batch,
+      over all its devices;
+    - a ``dist_sync`` (any ``dist_*``) kvstore: the job's,
+      ``trainer.step(batch_per_worker * kv.num_workers)``;
+    - Horovod's ``DistributedTrainer``: the worker's, ``trainer.step(batch_per_worker)``.
+
+    So this worker's batch is the step's divided by the kvstore's ``num_workers`` on a
+    ``dist_*`` kvstore (where the servers sum, and MXNet's Module normalises the same way),
+    and the step's otherwise (Horovod's trainer folds its mean over workers into the
+    Trainer's scale). ``B_small`` is that over the devices. A ``dist_sync`` loop that
+    passes the per-worker batch trains with ``num_workers`` times the mean gradient, and
+    the monitor would take B_small and B_big ``num_workers`` times too small.
     """
 
     def __init__(self, trainer, interval=10, smoothing=0.95, small_every=None):
@@ -121,7 +145,8 @@ class GradientNoiseScale:
         every = self.small_every or (opt.batch_scale if self._window_at_trainer() else 1)
         if opt.window_position % every:
             return
-        factor = self._devices / (self._batch(trainer, opt) * self._loss_scale(trainer, opt))
+        b_small = self._worker_batch(trainer, opt) / self._devices
+        factor = 1.0 / (b_small * self._loss_scale(trainer, opt))
         for grads in _gradients_by_device(trainer):
             self._small.append((_sum_squares(grads), factor ** 2))
 
@@ -130,12 +155,15 @@ class GradientNoiseScale:
         if not self._checked:
             self._check_two_sizes(trainer, opt)
         workers = _compat.trainer_worker_count(trainer, default=1)
-        batch = self._batch(trainer, opt)
+        batch = self._worker_batch(trainer, opt)
         window = opt.batch_scale if closes_window else 1
         b_small = batch / self._devices
         b_big = batch * workers * window
         big = _sum_squares(_gradients_by_device(trainer)[0])
-        factor = 1.0 / (batch * workers * self._loss_scale(trainer, opt))
+        # the reduced gradient times `mean` is the mean over workers of each worker's
+        # gradient (its sum over `batch` examples; a window's mean of such sums)
+        mean = _compat.reduced_gradient_mean_factor(trainer)
+        factor = mean / (batch * self._loss_scale(trainer, opt))
         self._pending.append((self._small, (big, factor ** 2), b_small, b_big))
         self._small = []
         self._updates += 1
@@ -181,16 +209,32 @@ class GradientNoiseScale:
         return opt.accumulates_at_trainer() and self._binding.window_at_reduction
 
     @staticmethod
-    def _batch(trainer, opt):
-        """Examples per step on this worker: Trainer.step(batch_size) sets rescale_grad to
-        scale / batch_size (Horovod's trainer divides scale by its size as well). Under a
-        `LossScaling` hook, whose Trainer.update sets rescale_grad only after the
-        reduction (with 1/scale folded in): the batch of the hook's last step (NaN before
-        its first, and the update is left out of the estimates)."""
+    def _worker_batch(trainer, opt):
+        """Examples per step on this worker (over its devices), from the step's batch
+        argument read the way the README's recipe for each engine passes it:
+
+        - one device, several devices (``local``/``device`` kvstore), Horovod: the step's
+          batch is this worker's (``trainer.step(batch_per_worker)``);
+        - ``dist_*`` kvstores: the step's batch is the job's
+          (``trainer.step(batch_per_worker * kv.num_workers)``, as Module's
+          ``rescale_grad`` is: the servers sum, so only then does the update apply the
+          mean gradient), and this worker's share is that over ``num_workers``.
+
+        The step's batch: Trainer.step(batch_size) sets rescale_grad to scale / batch_size
+        (Horovod's trainer folds its mean over workers into that scale: the quotient is
+        still the argument). Under a `LossScaling` hook, whose Trainer.update sets
+        rescale_grad only after the reduction (with 1/scale folded in): the batch of the
+        hook's last step (NaN before its first, and the update is left out of the
+        estimates)."""
         hook = _binding.loss_scaling_of(trainer)
         if hook is not None:
-            return float(hook.batch_size or math.nan)
-        return _compat.trainer_scale(trainer) / opt.rescale_grad
+            step_batch = float(hook.batch_size or math.nan)
+        else:
+            step_batch = _compat.trainer_scale(trainer) / opt.rescale_grad
+        kind = _compat.trainer_kvstore_type(trainer)
+        if kind and kind.startswith('dist'):
+            return step_batch / _compat.trainer_worker_count(trainer, default=math.nan)
+        return step_batch
 
     @staticmethod
     def _loss_scale(trainer, opt):

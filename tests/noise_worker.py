@@ -47,12 +47,14 @@ def run(cfg, rank=0, hvd=None, kvstore=None):
                                           smoothing=cfg.get('smoothing', 0.99))
     rng = np.random.RandomState(cfg.get('seed', 0) + 1000 * rank)
     batch = cfg['batch']
+    # as the README: a dist_* kvstore's step takes the job's batch, Horovod's the worker's
+    workers = kvstore.num_workers if 'dist' in getattr(kvstore, 'type', '') else 1
     for _ in range(cfg['updates'] * args['batch_scale']):
         with autograd.record():
             losses = [0.5 * ((param.data(c) - nd.array(rng.normal(mu, SIGMA, (batch, D)),
                                                       ctx=c)) ** 2).sum() for c in ctxs]
         autograd.backward(losses)
-        trainer.step(batch * len(ctxs))
+        trainer.step(batch * len(ctxs) * workers)
     mx.nd.waitall()     # a dist_sync worker must not exit with reductions in flight
     monitor.flush()
     return dict(b_simple=monitor.b_simple, gradient_sq=monitor.gradient_sq,
