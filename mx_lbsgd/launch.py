@@ -14,7 +14,8 @@ removed (with them ps-lite would use ``ipc:///tmp/<port>`` or bind the scheduler
 shared by every job). ``MX_LBSGD_RANK`` is not ``kv.rank``: ps-lite's scheduler hands
 out the ranks by the workers' ports (which each picks at random), so use ``kv.rank`` to
 shard data.
-``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1`` are set unless already set. Workers run the command; the scheduler
+``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1`` are set unless already set. Workers run the
+command; the scheduler
 and servers run this interpreter with ``mx_lbsgd`` imported before they enter the server
 loop, so a pickled ``mx_lbsgd`` optimizer (``kv.set_optimizer``) loads there; a server
 that cannot load the optimizer exits with status 1 (MXNet would go on summing gradients).
@@ -42,7 +43,8 @@ its own lines are prefixed ``[launch]``. The rank comes from ps-lite's own log l
 ``W[id] is connected to others``, which a worker writes when it has its rank, before its
 program runs on: the launcher sets ``PS_VERBOSE=1`` for the workers (unless set) and hides
 ps-lite's informational lines then. Every node is started with ``PR_SET_PDEATHSIG``: if the
-launcher itself is killed (SIGKILL, which it cannot catch), its nodes die with it. Exit status: 0 when every worker exits 0 (servers and scheduler then stop by
+launcher itself is killed (SIGKILL, which it cannot catch), its nodes die with it. Exit
+status: 0 when every worker exits 0 (servers and scheduler then stop by
 themselves; any still running after a few seconds are stopped), or when the job's work is
 done but a process is stuck in ps-lite's exit (below); otherwise the status of the
 first process to fail, 128 + N for a process killed by signal N, and the launcher stops all

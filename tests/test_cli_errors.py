@@ -151,3 +151,18 @@ def test_bench_writes_no_plot_unasked(tmp_path, monkeypatch, capsys):
     assert main(['bench', '--quick', '--rounds', '1', '--only', 'sweep', '--dtypes',
                  'float32', '--plot', str(tmp_path / 'p.png')]) == 0
     assert drawn == [str(tmp_path / 'p.png')]
+
+
+@pytest.mark.parametrize('module', ['bench_lamb', 'bench_norms', 'bench_noise_scale',
+                                    'bench_sparse', 'bench_dist'])
+@pytest.mark.parametrize('argv, words', [(['--rounds', '0'], ['--rounds', '>= 1']),
+                                         (['--json', UNWRITABLE], ['--json', UNWRITABLE])])
+def test_benchmark_scripts_check_their_arguments_first(module, argv, words, capsys):
+    """The benchmarks run as scripts (python benchmarks/X.py): the same one-line errors
+    before any work (--rounds 0 divided by zero or took a median of nothing)."""
+    import importlib
+    main_ = importlib.import_module('mx_lbsgd.demo.' + module).main
+    with pytest.raises(SystemExit) as exit_:
+        main_(argv)
+    assert exit_.value.code == 2
+    _one_line(capsys.readouterr().err, *words)

@@ -47,6 +47,7 @@ import tempfile
 import time
 
 import mx_lbsgd
+from .args import Parser, check_output_option, number
 
 __all__ = ['main']
 
@@ -377,25 +378,28 @@ def table(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument('--engines', nargs='+', default=['kvstore', 'horovod'],
                         choices=['kvstore', 'horovod'])
-    parser.add_argument('--rounds', type=int, default=12)
-    parser.add_argument('--windows', type=int, default=3,
+    parser.add_argument('--rounds', type=number(int, 1), default=12)
+    parser.add_argument('--windows', type=number(int, 1), default=3,
                         help='windows of 4 micro-batches per variant per round')
-    parser.add_argument('--warmup', type=int, default=2, help='untimed windows per variant')
-    parser.add_argument('--batch', type=int, default=16, help='per-worker micro-batch')
-    parser.add_argument('--hidden', type=int, default=1024)
-    parser.add_argument('--layers', type=int, default=4,
+    parser.add_argument('--warmup', type=number(int, 0), default=2,
+                        help='untimed windows per variant')
+    parser.add_argument('--batch', type=number(int, 1), default=16, help='per-worker micro-batch')
+    parser.add_argument('--hidden', type=number(int, 1), default=1024)
+    parser.add_argument('--layers', type=number(int, 1), default=4,
                         help='hidden Dense layers (hidden x hidden each) plus a 10-way output')
     parser.add_argument('--no-module', action='store_true', help='skip the Horovod Module rows')
     parser.add_argument('--quick', action='store_true', help='3 rounds of 2 windows, 1 warmup')
-    parser.add_argument('--timeout', type=float, default=600, help='per job, seconds')
+    parser.add_argument('--timeout', type=number(float, 0, open_low=True), default=600,
+                        help='per job, seconds')
     parser.add_argument('--verbose', action='store_true', help="echo all the jobs' output")
     parser.add_argument('--json', help='write the results here')
     parser.add_argument('--worker', choices=['kvstore', 'horovod'], help=argparse.SUPPRESS)
     parser.add_argument('--out', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_output_option(parser, '--json', args.json)
     if args.quick:
         args.rounds, args.windows, args.warmup = 3, 2, 1
     if args.worker:

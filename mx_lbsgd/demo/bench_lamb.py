@@ -11,7 +11,6 @@ operator when ``pip install`` built it (``native`` in the output says whether it
     python -m mx_lbsgd.demo.bench_lamb [--rounds 5] [--dtypes float32 float16] [--json F]
     python benchmarks/bench_lamb.py ...
 """
-import argparse
 import statistics
 import time
 
@@ -21,6 +20,7 @@ import mxnet as mx
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
 from mx_lbsgd.demo.bench_step import machine, save_json
+from .args import Parser, check_output_option, number
 
 __all__ = ['bert_shapes', 'run', 'main']
 
@@ -112,12 +112,13 @@ def run(dtypes, rounds, steps=1, seed=0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog='bench_lamb', description=__doc__.split('\n')[0])
-    p.add_argument('--rounds', type=int, default=5)
+    p = Parser(prog='bench_lamb', description=__doc__.split('\n')[0])
+    p.add_argument('--rounds', type=number(int, 1), default=5)
     p.add_argument('--dtypes', nargs='+', default=['float32', 'float16'],
                    choices=['float32', 'float16'])
     p.add_argument('--json', help='write the results here')
     args = p.parse_args(argv)
+    check_output_option(p, '--json', args.json)
     out = run(args.dtypes, args.rounds)
     print(out['machine'])
     print('%d tensors, %d parameters; median of %d interleaved rounds; native operators: %s'

@@ -14,7 +14,6 @@ the machine's load, a time does).
                                               [--small-every K]
     python benchmarks/bench_noise_scale.py ...
 """
-import argparse
 import dataclasses
 import statistics
 import time
@@ -23,7 +22,7 @@ import mxnet as mx
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
-from .args import number
+from .args import Parser, check_output_option, number
 from .bench_step import machine, save_json
 from .config import DEMO_DEFAULTS, TrainConfig
 from .data import load_data
@@ -115,7 +114,7 @@ def run(rounds=61, steps=160, interval=NOISE_SCALE_INTERVAL, warmup_rounds=2,
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog='bench_noise_scale', description=__doc__.split('\n')[0])
+    p = Parser(prog='bench_noise_scale', description=__doc__.split('\n')[0])
     p.add_argument('--rounds', type=number(int, 1), default=61,
                    help='interleaved rounds (default 61; 21 gave -1.7%% to +10.8%% on a '
                         '2-core VM)')
@@ -127,6 +126,7 @@ def main(argv=None):
                         'window; 1: every micro-batch)')
     p.add_argument('--json', help='write the results here')
     args = p.parse_args(argv)
+    check_output_option(p, '--json', args.json)
     out = run(args.rounds, args.steps, args.interval, small_every=args.small_every)
     print(out['machine'])
     print('mx-lbsgd train main run step: %s MLP, micro-batch %d x batch_scale %d, dynamic '

@@ -12,7 +12,6 @@ medians.
     python -m mx_lbsgd.demo.bench_norms [--rounds 10] [--json F]
     python benchmarks/bench_norms.py ...
 """
-import argparse
 import statistics
 import time
 
@@ -22,6 +21,7 @@ import mxnet as mx
 import mx_lbsgd
 from mx_lbsgd.demo.bench_shapes import SMALL_MODEL
 from mx_lbsgd.demo.bench_step import machine, resnet50_shapes, save_json
+from .args import Parser, check_output_option, number
 
 __all__ = ['run', 'main']
 
@@ -95,10 +95,11 @@ def run(rounds, seed=0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog='bench_norms', description=__doc__.split('\n')[0])
-    p.add_argument('--rounds', type=int, default=10)
+    p = Parser(prog='bench_norms', description=__doc__.split('\n')[0])
+    p.add_argument('--rounds', type=number(int, 1), default=10)
     p.add_argument('--json', help='write the results here')
     args = p.parse_args(argv)
+    check_output_option(p, '--json', args.json)
     if args.rounds < 1:
         p.error('argument --rounds: must be >= 1, got %d' % args.rounds)
     out = run(args.rounds)

@@ -8,7 +8,6 @@ of the within-round ratio.
     python -m mx_lbsgd.demo.bench_sparse [--rounds 7] [--rows 1000000] [--json out.json]
     python benchmarks/bench_sparse.py ...
 """
-import argparse
 import json
 import statistics
 import sys
@@ -22,6 +21,7 @@ import mx_lbsgd  # noqa: F401  (registers 'lbsgd')
 
 from . import bench_step
 from .bench_step import set_gradients
+from .args import Parser, check_output_option, number
 
 __all__ = ['main']
 
@@ -56,13 +56,14 @@ class Variant:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--rows', type=int, default=1000000)
-    p.add_argument('--dim', type=int, default=64)
-    p.add_argument('--touched', type=float, default=0.01)
-    p.add_argument('--rounds', type=int, default=7)
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument('--rows', type=number(int, 1), default=1000000)
+    p.add_argument('--dim', type=number(int, 1), default=64)
+    p.add_argument('--touched', type=number(float, 0, 1, open_low=True), default=0.01)
+    p.add_argument('--rounds', type=number(int, 1), default=7)
     p.add_argument('--json')
     args = p.parse_args(argv)
+    check_output_option(p, '--json', args.json)
     touched = int(args.rows * args.touched)
     grads = make_grads(args.rows, args.dim, touched, 8)
     lazy = dict(learning_rate=0.1, momentum=0.9, wd=1e-4)
