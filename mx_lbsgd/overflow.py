@@ -143,14 +143,18 @@ def _locate(*, flags, micro_batch, num_workers, window):
     failed = [k for k, ok in flags.items() if not ok]
     distributed = num_workers > 1
     notes = []
+    # the engine sums (kvstore servers, Horovod on CPU/gloo) or averages (Horovod with
+    # NCCL >= 2.10); a positive factor changes no kind or count, so the note names both
+    reduced = (' reduced over %d workers (their sum, or their mean where the allreduce '
+               'averages)' % num_workers if distributed else '')
     if window:
         micro_batch = min(failed) if failed and min(failed) > 0 else None
         notes.append('Checked: the mean of the window of %d micro-batches%s, so kinds and '
-                     'counts are those of the mean (inf + -inf = nan).' % (
-                         window, ' summed over %d workers' % num_workers if distributed else ''))
+                     'counts are those of the values checked (inf + -inf = nan).'
+                     % (window, reduced))
     elif distributed:
-        notes.append('Checked: the gradients summed over %d workers, so kinds and counts are '
-                     'those of the sum (inf + -inf = nan).' % num_workers)
+        notes.append('Checked: the gradients%s, so kinds and counts are those of the values '
+                     'checked (inf + -inf = nan).' % reduced)
     if not distributed:
         return micro_batch, True, ' '.join(notes)
     if not flags:
