@@ -18,7 +18,7 @@ reduced once, then applied as a plain step::
 Each micro-batch costs one pass over its gradients and a fixed number of operator calls:
 on CPU with the native operators one ``mx_lbsgd_accumulate`` per device (float16
 gradients widened on the fly into the float32 accumulators), whatever the tensor count;
-without them (``MX_LBSGD_NATIVE=0``, GPUs: MXNet 1.9.1 has no multi-tensor axpy or cast)
+without them (``MX_LBSGD_NATIVE=0``; GPUs: MXNet 1.9.1 has no multi-tensor cast or copy)
 an axpy per tensor, with a Cast before it for float16 gradients (`_kernels.accumulate`).
 
 The communicated values have the magnitude of one micro-batch's (scaled) gradient, so an
