@@ -1,6 +1,8 @@
 """GradientNoiseScale against the exact answer (tests/noise_worker.py: tr(Sigma) and |G|^2
-known in closed form), in the four places two batch sizes come from; training is bit for
-bit the same with and without the monitor; the host reads once per interval."""
+known in closed form), in the four places two batch sizes come from, with each engine's
+step(batch) as the README passes it (plain Trainer and LossScaling hook; Horovod with a
+gradient_predivide_factor); training is bit for bit the same with and without the
+monitor; the host reads once per interval."""
 import io
 import json
 import os
@@ -21,6 +23,7 @@ import noise_worker
 
 WORKER = os.path.abspath(noise_worker.__file__)
 HVD_WORKER = os.path.join(os.path.dirname(WORKER), 'noise_hvd_worker.py')
+HOOK_WORKER = os.path.join(os.path.dirname(WORKER), 'noise_hook_worker.py')
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
 TOLERANCE = 0.10
 
@@ -98,6 +101,36 @@ def test_estimate_within_10_percent_under_horovod_with_a_predivide_factor(tmp_pa
         with open(str(tmp_path / ('rank%d.json' % rank))) as f:
             result = json.load(f)
         assert (result['b_small'], result['b_big']) == (8, 16)
+        _assert_close_to_truth(result)
+
+
+@pytest.mark.parametrize('kvstore, unscale', [
+    pytest.param('dist_sync', False, id='dist_sync'),
+    pytest.param('dist_sync', True, id='dist_sync-unscale'),
+    pytest.param('horovod', True, id='horovod-unscale'),
+])
+def test_estimate_within_10_percent_under_the_loss_scaling_hook(kvstore, unscale, tmp_path):
+    """The LossScaling hook's step(batch) as the README's recipe for each engine passes it
+    (the job's batch on dist_sync, the worker's under Horovod), a static scale of 2^10, with
+    and without unscale() before the step (then the first update, whose batch the monitor
+    cannot know yet, is left out)."""
+    cfg = dict(kvstore=kvstore, batch=8, updates=300, scale=2.0 ** 10, unscale=unscale)
+    argv = [sys.executable, HOOK_WORKER, json.dumps(cfg), str(tmp_path)]
+    if kvstore == 'horovod':
+        pytest.importorskip('horovod.mxnet')
+        proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2'] + argv,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=180, env=dict(os.environ, **_env()))
+        assert proc.returncode == 0, proc.stdout[-3000:]
+    else:
+        out = io.StringIO()
+        code = launch(argv, 2, 1, timeout=120, stream=out, env=_env())
+        assert code == 0, out.getvalue()
+    for rank in range(2):
+        with open(str(tmp_path / ('rank%d.json' % rank))) as f:
+            result = json.load(f)
+        assert (result['b_small'], result['b_big']) == (8, 16)
+        assert result['reads'] == 300 - unscale
         _assert_close_to_truth(result)
 
 
