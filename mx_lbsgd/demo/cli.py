@@ -56,8 +56,8 @@ def _cmd_bench(argv):
         'mx_lbsgd.demo.bench_shapes, the benchmark the README reports: step time, host syncs '
         'and operator calls per step vs tensor count (4M parameters in N tensors), on '
         "ResNet-50 v1's 193 shapes, and of loss-scaled Trainer steps (several minutes on 2 "
-        'cores; --quick: fewer rounds and steps, float32). Arguments it does not know go to the benchmark, '
-        'e.g. --quick --only resnet --rounds 3 --json F --plot F.png; '
+        'cores; --quick: fewer rounds and steps, float32). Arguments it does not know go to '
+        'the benchmark, e.g. --quick --only resnet --rounds 3 --json F --plot F.png; '
         "'mx-lbsgd bench --help-benchmark' (or 'mx-lbsgd bench --loss-scale "
         "--help-benchmark') shows the benchmark's own options."))
     which = p.add_mutually_exclusive_group()
