@@ -13,7 +13,8 @@
 //       updating w, mom (and w32) in place: MXNet's sgd_update / sgd_mom_update (and mp_*)
 //       arithmetic in one pass over every tensor; with lr_vector (LARS rates on the
 //       device) the preloaded_multi_sgd_* arithmetic
-//   mx_lbsgd_accumulate(acc.., g..)                         -> (1,) float32 zero: one
+//   mx_lbsgd_accumulate(acc.., g..)                         -> (1,) float32 zero, or
+//       with check_finite=1 the mx_lbsgd_all_finite flag of the gradients it read: one
 //       micro-batch of an accumulation window added into float32 accumulators (or the
 //       window's mean written back into the gradients), float16 gradients widened on the fly
 //   mx_lbsgd_lamb_update(w.., g.., mean.., var.. [, w32..]) -> (n,) float32 trust ratios,
@@ -547,6 +548,10 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 // The arithmetic is that of the MXNet operators the fallback runs (_mul_scalar, Cast,
 // sgd_update with lr=-1 as an axpy, and for float32 means sgd_update with the lr and wd
 // the caller computes), bit for bit.
+// check_finite=1: the output is mx_lbsgd_all_finite's flag of the gradients as read (before
+// mode 2 overwrites them), tested on each block's bits while the block is in cache, so the
+// finite check of a micro-batch costs no pass and no call of its own. Every element is
+// written whatever the flag: the caller decides what a non-finite micro-batch means.
 
 struct AccumulateHyper {
   int mode;
@@ -634,15 +639,21 @@ MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   h.lr = float_attr(attrs, "lr");
   h.wd = float_attr(attrs, "wd");
   h.mean_factor = float_attr(attrs, "mean_factor");
+  const auto check = attrs.find("check_finite");
+  const bool check_finite = check != attrs.end() && std::stoi(check->second) != 0;
   const Split split(*in, n);
   const int nt = split.threads();
-#pragma omp parallel num_threads(nt)
+  int bad = 0;
+#pragma omp parallel num_threads(nt) reduction(| : bad)
   {
     float buffer[kBlock];
     split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
       float* acc = (*in)[i].data<float>() + a;
       MXTensor& grad = (*in)[n + i];
       const bool half = grad.dtype == mxnet::ext::kFloat16;
+      if (check_finite)
+        bad |= half ? block_has_nonfinite<uint16_t, 0x7C00u>(grad.data<uint16_t>() + a, b - a)
+                    : block_has_nonfinite<uint32_t, 0x7F800000u>(grad.data<uint32_t>() + a, b - a);
       float* g = half ? buffer : grad.data<float>() + a;
       if (half) widen(grad.data<_Float16>() + a, buffer, b - a);
       if (h.mode < 2) {
@@ -655,7 +666,7 @@ MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
       }
     });
   }
-  (*out)[0].data<float>()[0] = 0.f;
+  (*out)[0].data<float>()[0] = check_finite && !bad ? 1.f : 0.f;
   return MX_SUCCESS;
 }
 

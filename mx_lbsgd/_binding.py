@@ -6,8 +6,9 @@ and owns what happens between them::
     trainer.step(batch_size)
       reduce:  refuse a kvstore that updates the weights (loss scaling)
                local flag: a device-side finite flag of this worker's gradients, kept for
-                       an overflow report (per micro-batch of a window; per step with
-                       check_local_overflow on a dist job); never read on finite steps
+                       an overflow report (per micro-batch of a window, out of the
+                       window's own pass; per step with check_local_overflow on a dist
+                       job); never read on finite steps
                window: micro-batch < B: sum it locally into the accumulators, do not reduce
                        micro-batch = B: write the window's mean into the gradients, reduce
       update:  optimizer.begin_step(every fresh gradient, closes_window, trainer,
@@ -91,13 +92,16 @@ class TrainerBinding:
                     _compat.fresh_gradients(opt.param_dict), opt.fused)}
             return self._reduced(original, trainer, opt, False)
         grads, accs = self._buffers(trainer, opt)
-        if opt.wants_local_flags(trainer, window=True):
-            position = opt.window_position
+        position = opt.window_position
+        check = opt.wants_local_flags(trainer, window=True)
+        # the flag comes out of the window's own pass (one native call per device on CPU)
+        self._closes = self.window.add(accs=accs, grads=grads, factor=opt.rescale_grad,
+                                       size=opt.batch_scale, position=position,
+                                       check_finite=check, fused=opt.fused)
+        if check:
             if position == 0 or self._flags is None:
                 self._flags = {}
-            self._flags[position + 1] = _kernels.finite_flag(grads, opt.fused)
-        self._closes = self.window.add(accs=accs, grads=grads, factor=opt.rescale_grad,
-                                       size=opt.batch_scale, position=opt.window_position)
+            self._flags[position + 1] = self.window.flag
         return self._reduced(original, trainer, opt, True) if self._closes else None
 
     def _reduced(self, original, trainer, opt, closes_window):

@@ -123,7 +123,7 @@ def lars_lrs(*, weights, grads, lrs, wds, keep_lr, eta, eps, rescale_grad, lars_
     return nd.where(keep, ratio, ones) * lr_vec
 
 
-def accumulate(*, accs, grads, first, factor, scratch):
+def accumulate(*, accs, grads, first, factor, scratch, check_finite=False, fused=None):
     """accs[i] = factor * grads[i] (first micro-batch of a window) or += factor * grads[i].
 
     Accumulators are float32 (or wider). On CPU with the native operators, one
@@ -132,8 +132,15 @@ def accumulate(*, accs, grads, first, factor, scratch):
     is cast through `scratch` (see `cast_into`), and ``sgd_update`` with lr=-1, wd=0 and
     rescale_grad=factor is an in-place axpy, so scaling costs no extra pass. Both give the
     same bits.
+
+    Returns None, or with `check_finite` ``finite_flag(grads, fused)`` (the same value): on
+    CPU with the native operators the accumulate's own output, from the pass it makes
+    anyway, so the check costs no call; for the other tensors a `finite_flag` of its own.
+    The accumulators are written whatever the flag says.
     """
-    rest = _native_window_call(accs, grads, mode=0 if first else 1, factor=factor)
+    rest, flags = _native_window_call(accs, grads, check_finite, mode=0 if first else 1,
+                                      factor=factor)
+    flag = _rest_flag(grads, rest, flags, check_finite, fused)
     for j in rest:
         acc, grad = accs[j], grads[j]
         if first:
@@ -147,18 +154,23 @@ def accumulate(*, accs, grads, first, factor, scratch):
         if grad.dtype != acc.dtype:
             grad = cast_into(grad, acc.dtype, scratch)
         nd.sgd_update(acc, grad, out=acc, lr=-1.0, wd=0.0, rescale_grad=factor)
+    return flag
 
 
-def write_mean(*, grads, accs, factor, mean_factor, scratch):
+def write_mean(*, grads, accs, factor, mean_factor, scratch, check_finite=False, fused=None):
     """grads[i] = mean_factor * (accs[i] + factor * grads[i]) in the gradient's dtype: the
     accumulated window written back into the gradient buffers, ready to be communicated
-    once. One native call per context on CPU (as `accumulate`), else per tensor."""
+    once. One native call per context on CPU (as `accumulate`), else per tensor. With
+    `check_finite`, returns the finite flag of the gradients as they were before (see
+    `accumulate`), else None."""
     # one pass for a float32 gradient: sgd_update gives (1 - lr*wd) * grad - lr * acc,
     # which with lr = -m and wd = (m*factor - 1)/m is m * (acc + factor * grad)
     m = mean_factor
     lr, wd = -m, (m * factor - 1.0) / m
-    rest = _native_window_call(accs, grads, mode=2, factor=factor, lr=lr, wd=wd,
-                               mean_factor=mean_factor)
+    rest, flags = _native_window_call(accs, grads, check_finite, mode=2, factor=factor,
+                                      lr=lr, wd=wd, mean_factor=mean_factor)
+    # pushed before the per-tensor means overwrite the rest of the gradients
+    flag = _rest_flag(grads, rest, flags, check_finite, fused)
     for j in rest:
         acc, grad = accs[j], grads[j]
         if acc.dtype == grad.dtype:
@@ -167,17 +179,29 @@ def write_mean(*, grads, accs, factor, mean_factor, scratch):
             accumulate(accs=[acc], grads=[grad], first=False, factor=factor, scratch=scratch)
             _compat.mul_scalar(acc, scalar=mean_factor, out=acc)
             nd.Cast(acc, dtype=grad.dtype, out=grad)
+    return flag
+
+
+def _rest_flag(grads, rest, flags, check_finite, fused):
+    """The finite flag of every gradient: the native calls' `flags` AND a `finite_flag` of
+    the `rest` (None without `check_finite`)."""
+    if not check_finite:
+        return None
+    if rest:
+        flags = flags + [finite_flag([grads[j] for j in rest], fused)]
+    return _and_flags(flags)
 
 
 _WINDOW_PLANS = {}
 
 
-def _native_window_call(accs, grads, mode, **attrs):
+def _native_window_call(accs, grads, check_finite, mode, **attrs):
     """Run ``mx_lbsgd_accumulate`` (`mode` 0 write, 1 add, 2 mean) once per context over
-    the tensors it takes; return the positions left to MXNet's operators. The grouping is
+    the tensors it takes; return the positions left to MXNet's operators and, with
+    `check_finite`, the calls' finite flags (one per context, else []). The grouping is
     computed once per tuple of arrays (a Trainer hands the same buffers every step)."""
     if _native.ops() is None:
-        return range(len(accs))
+        return range(len(accs)), []
     key = tuple(id(a) for a in accs) + tuple(id(g) for g in grads)
     plan = _WINDOW_PLANS.get(key)
     if plan is None or any(a is not b for a, b in zip(plan[0], list(accs) + list(grads))):
@@ -187,9 +211,13 @@ def _native_window_call(accs, grads, mode, **attrs):
             _WINDOW_PLANS.pop(next(iter(_WINDOW_PLANS)))
     groups, rest = plan[1]
     call = _native.ops().accumulate
+    flags = []
     for group_accs, group_grads in groups:
-        call(*group_accs, *group_grads, num_tensors=len(group_accs), mode=mode, **attrs)
-    return rest
+        out = call(*group_accs, *group_grads, num_tensors=len(group_accs), mode=mode,
+                   check_finite=int(bool(check_finite)), **attrs)
+        if check_finite:
+            flags.append(out)
+    return rest, flags
 
 
 def _window_plan(accs, grads):
@@ -265,6 +293,11 @@ def finite_flag(arrays, fused):
         for n, (check, group) in enumerate(calls):
             check(group, flag, n == 0)
         flags.append(flag)
+    return _and_flags(flags)
+
+
+def _and_flags(flags):
+    """One flag from per-context flags: on the first one's context, 1 when all are 1."""
     if not flags:
         return nd.ones((1,), dtype=np.float32)
     first, *rest = flags

@@ -3,7 +3,8 @@
 ``pip install`` builds ``mx_lbsgd/_native_ops*.so`` where a C++ compiler and MXNet's
 ``lib_api.h`` are found; `ops` loads it with the public ``mx.library.load``, which adds
 ``mx.nd.mx_lbsgd_sum_sq``, ``mx.nd.mx_lbsgd_all_finite``, ``mx.nd.mx_lbsgd_sgd_update``,
-``mx.nd.mx_lbsgd_lamb_update`` and ``mx.nd.mx_lbsgd_accumulate``.
+``mx.nd.mx_lbsgd_lamb_update`` and ``mx.nd.mx_lbsgd_accumulate`` (whose output, with
+``check_finite=1``, is ``mx_lbsgd_all_finite``'s flag of the gradients it read).
 Without the library, or with ``MX_LBSGD_NATIVE=0``, `ops` returns None and the kernel
 families run MXNet's own operators; ``MX_LBSGD_NATIVE=1`` makes a missing library an error
 (CI uses it to test the built path).

@@ -20,6 +20,10 @@ on CPU with the native operators one ``mx_lbsgd_accumulate`` per device (float16
 gradients widened on the fly into the float32 accumulators), whatever the tensor count;
 without them (``MX_LBSGD_NATIVE=0``; GPUs: MXNet 1.9.1 has no multi-tensor cast or copy)
 an axpy per tensor, with a Cast before it for float16 gradients (`_kernels.accumulate`).
+With a loss scaler the micro-batch's finite flag (kept for an overflow report, never
+gating the sum: an inf/NaN goes into the window, which is then skipped as a whole) comes
+out of that same native call (``check_finite``), so it costs no pass and no call of its
+own; the tensors the native operator does not take get a `_kernels.finite_flag` first.
 
 The communicated values have the magnitude of one micro-batch's (scaled) gradient, so an
 fp16 gradient or fp16 compression overflows no sooner than without accumulation, and an
@@ -75,19 +79,24 @@ class TrainerWindow:
 
     def __init__(self):
         self.position = 0
+        self.flag = None          # the last `add`'s finite flag (check_finite), else None
         self._scratch = {}
 
-    def add(self, *, accs, grads, factor, size, position):
+    def add(self, *, accs, grads, factor, size, position, check_finite=False, fused=None):
         """Take micro-batch `position + 1`. Returns True when it closes the window: the
         window's mean is then in `grads`, ready to be reduced; otherwise it was summed into
-        `accs`."""
+        `accs`. With `check_finite`, ``self.flag`` is then ``_kernels.finite_flag(grads,
+        fused)`` of the gradients as they came (a device-side (1,) array), else None."""
         position += 1
         if position < size:
-            _kernels.accumulate(accs=accs, grads=grads, first=position == 1, factor=factor,
-                                scratch=self._scratch)
+            self.flag = _kernels.accumulate(accs=accs, grads=grads, first=position == 1,
+                                            factor=factor, scratch=self._scratch,
+                                            check_finite=check_finite, fused=fused)
             self.position = position
             return False
-        _kernels.write_mean(grads=grads, accs=accs, factor=factor,
-                            mean_factor=1.0 / (factor * size), scratch=self._scratch)
+        self.flag = _kernels.write_mean(grads=grads, accs=accs, factor=factor,
+                                        mean_factor=1.0 / (factor * size),
+                                        scratch=self._scratch, check_finite=check_finite,
+                                        fused=fused)
         self.position = 0
         return True

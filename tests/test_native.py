@@ -453,3 +453,156 @@ def test_window_in_the_optimizer_is_one_operator_call_per_micro_batch(monkeypatc
     assert launches_per_call()[5:7] == [1, 1]
     monkeypatch.setattr(_native, 'ops', lambda: None)
     assert launches_per_call()[5:7] == [20 * (2 if dtype == 'float16' else 1)] * 2
+
+
+# -- the micro-batch's finite flag out of the accumulate's own pass -----------------------
+
+def _with_bad(xs, bad):
+    xs = [x.copy() for x in xs]
+    xs[2][0] = np.finfo(xs[2].dtype).max                 # the largest finite value
+    xs[3].flat[0] = np.finfo(xs[3].dtype).tiny / 2       # a subnormal
+    if bad is not None:
+        which, at, value = bad
+        xs[which].flat[at] = value
+    return xs
+
+
+@needs_native
+@pytest.mark.parametrize('mode', [0, 1, 2])
+@pytest.mark.parametrize('bad', FINITE_CASES)
+@pytest.mark.parametrize('dtypes', [pytest.param(('float32',), id='fp32'),
+                                    pytest.param(('float16',), id='fp16'),
+                                    pytest.param(('float16', 'float32'), id='mixed')])
+def test_accumulate_check_finite_is_all_finites_flag_and_the_same_bits(mode, bad, dtypes):
+    """check_finite=1: the output is mx_lbsgd_all_finite's flag of the gradients as they
+    were read (mode 2 overwrites them), and every array is written exactly as without it."""
+    xs = _with_bad([x.astype(dtypes[i % len(dtypes)])
+                    for i, x in enumerate(_arrays('float32', seed=3))], bad)
+    acc0 = _arrays('float32', seed=4)
+    attrs = dict(num_tensors=len(xs), mode=mode, factor=0.37)
+    if mode == 2:
+        attrs.update(lr=-0.25, wd=(0.25 * 0.37 - 1.0) / 0.25, mean_factor=0.25)
+    results = []
+    for check in (0, 1):
+        grads = [nd.array(x, dtype=x.dtype) for x in xs]
+        accs = [nd.array(a) for a in acc0]
+        before = OPS.all_finite(*grads, num_arrays=len(grads))
+        out = OPS.accumulate(*accs, *grads, check_finite=check, **attrs)
+        results.append((out.asnumpy(), before.asnumpy(), [a.asnumpy() for a in accs],
+                        [g.asnumpy() for g in grads]))
+    (off, _, accs_off, grads_off), (flag, want, accs_on, grads_on) = results
+    assert off.tolist() == [0.0]                          # the output without the check
+    assert flag.dtype == np.float32 and flag.tolist() == want.tolist()
+    assert flag.tolist() == [float(all(np.isfinite(x).all() for x in xs))]      # numpy
+    for a, b in zip(accs_off + grads_off, accs_on + grads_on):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)              # nan where nan, inf where inf
+    if mode < 2 and bad is not None:                      # the inf/nan went into the window
+        assert not np.isfinite(np.concatenate([a.ravel() for a in accs_on])).all()
+
+
+def _window_with_flags(accs, micro, factor, fused):
+    """`_window_sequence` with check_finite: the flag of every micro-batch, and the arrays."""
+    flags, stages = [], []
+    for k, grads in enumerate(micro[:-1]):
+        flags.append(mx_lbsgd._kernels.accumulate(
+            accs=accs, grads=grads, first=k == 0, factor=factor, scratch={},
+            check_finite=True, fused=fused))
+        stages.append([a.asnumpy() for a in accs])
+    flags.append(mx_lbsgd._kernels.write_mean(
+        grads=micro[-1], accs=accs, factor=factor, mean_factor=1.0 / (factor * len(micro)),
+        scratch={}, check_finite=True, fused=fused))
+    stages.append([g.asnumpy() for g in micro[-1]])
+    return [f.asnumpy().tolist() for f in flags], stages
+
+
+@needs_native
+@pytest.mark.parametrize('dtypes', [pytest.param(('float32',), id='fp32'),
+                                    pytest.param(('float16', 'float32'), id='mixed'),
+                                    pytest.param(('float16', 'float64'), id='fp64-rest')])
+def test_fused_window_flags_are_the_two_call_paths_bits(monkeypatch, dtypes):
+    """A window whose micro-batches 2 and 4 hold an inf / nan: the flags and the arrays of
+    the fused calls equal finite_flag-then-accumulate (the code before the fusion) and
+    MXNet's per-tensor path, bit for bit; float64 gradients (accumulated in float64, which
+    the native operator does not take) get a finite_flag of their own."""
+    B, factor = 4, 0.5
+
+    def problem():
+        micro = [_window_arrays(dtypes, seed=10 * k)[1] for k in range(B)]
+        micro[1][4][3, 7] = np.inf
+        micro[3][1][123] = np.nan
+        accs = [nd.zeros(g.shape, dtype=np.promote_types(g.dtype, np.float32))
+                for g in micro[0]]
+        return accs, micro
+
+    accs, micro = problem()
+    with count_kernel_launches() as launches:
+        fused_flags, fused = _window_with_flags(accs, micro, factor, None)
+    native_only = 'float64' not in dtypes
+    if native_only:
+        assert len(launches) == B                 # one call per micro-batch, flag included
+    accs, micro = problem()
+    two_call_flags, two_call = [], []
+    for k, grads in enumerate(micro):
+        two_call_flags.append(mx_lbsgd._kernels.finite_flag(grads, None).asnumpy().tolist())
+        if k < B - 1:
+            mx_lbsgd._kernels.accumulate(accs=accs, grads=grads, first=k == 0, factor=factor,
+                                         scratch={})
+            two_call.append([a.asnumpy() for a in accs])
+        else:
+            mx_lbsgd._kernels.write_mean(grads=grads, accs=accs, factor=factor,
+                                         mean_factor=1.0 / (factor * B), scratch={})
+            two_call.append([g.asnumpy() for g in grads])
+    monkeypatch.setattr(_native, 'ops', lambda: None)     # MXNet's operators
+    accs, micro = problem()
+    mxnet_flags, mxnet = _window_with_flags(accs, micro, factor, None)
+    assert fused_flags == two_call_flags == mxnet_flags == [[1.0], [0.0], [1.0], [0.0]]
+    for stages in (two_call, mxnet):
+        for stage_a, stage_b in zip(fused, stages):
+            for a, b in zip(stage_a, stage_b):
+                assert a.dtype == b.dtype
+                np.testing.assert_array_equal(a, b)
+
+
+def _scaled_window_launches(dtype, ctxs, tensors=20):
+    """Operator calls of each `trainer.step` of 'lblamb' (batch_scale=4) with a loss scaler."""
+    params = [mx.gluon.Parameter('p%d_weight' % i, shape=(3, i + 1), dtype=dtype)
+              for i in range(tensors)]
+    for p in params:
+        p.initialize(ctx=ctxs)
+    scaler = mx_lbsgd.DynamicLossScaler(init_scale=8.0, growth_interval=1000)
+    trainer = mx.gluon.Trainer(params, 'lblamb', dict(batch_scale=4, loss_scaler=scaler,
+                                                      multi_precision=dtype == 'float16'),
+                               kvstore='device' if len(ctxs) > 1 else None,
+                               update_on_kvstore=False if len(ctxs) > 1 else None)
+    counts = []
+    for _ in range(8):
+        with mx.autograd.record():
+            losses = [nd.add_n(*[p.data(c).sum() for p in params]) * scaler.scale
+                      for c in ctxs]
+        mx.autograd.backward(losses)
+        mx.nd.waitall()
+        with count_kernel_launches() as launches:
+            trainer.step(1)
+        counts.append(len(launches))
+    assert trainer.optimizer.last_overflow is None
+    return counts
+
+
+@needs_native
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
+@pytest.mark.parametrize('devices', [1, 2])
+def test_scaled_window_micro_batch_is_one_call_per_device_flag_included(monkeypatch, dtype,
+                                                                        devices):
+    """With a loss scaler each micro-batch keeps a finite flag for the overflow report; it
+    comes out of the accumulate: one call per device (and the AND of the devices' flags),
+    where finite_flag + accumulate took two per device (and the AND)."""
+    ctxs = [mx.cpu(i) for i in range(devices)]
+    combine = 2 * (devices - 1)       # per further device: a copy to the first, nd.minimum
+    assert _scaled_window_launches(dtype, ctxs)[5:7] == [devices + combine] * 2
+    monkeypatch.setattr(_native, 'ops', lambda: None)
+    per_tensor = _scaled_window_launches(dtype, ctxs)
+    # MXNet's operators: an axpy per tensor and device, a Cast before it for float16, and
+    # the flag's own finite check (one multi_all_finite per device: 20 small tensors)
+    assert per_tensor[5:7] == [(20 * (2 if dtype == 'float16' else 1) + 1) * devices
+                               + combine] * 2
