@@ -9,16 +9,15 @@ import warnings
 
 import mxnet as mx
 
-from . import checkpoint, counting
-from ._graph_scale import scale_gradient
+from . import checkpoint, counting, loss_scale, overflow  # noqa: F401  (old module paths)
 from ._native import native_library
-from .gluon import LossScaling, bind, init_kvstore
+from .gluon import bind, init_kvstore
 from .lamb import LAMB
 from .lbsgd import LBSGD
+from .loss_scaling import (DynamicLossScaler, LossScaleFallingWarning, LossScaleStuckError,
+                           LossScaling, OverflowReport, scale_gradient)
 from .lssgd import LossScaledSGD
 from .noise_scale import GradientNoiseScale
-from .overflow import LossScaleFallingWarning, OverflowReport
-from .loss_scale import DynamicLossScaler, LossScaleStuckError
 from .lr_scheduler import WarmupScheduler
 from .schedules import WARMUP_STRATEGIES, warmup_multiplier
 

@@ -10,7 +10,7 @@ import weakref
 
 import mxnet as mx
 
-from . import _horovod_exit
+from .distributed import horovod_exit as _horovod_exit
 
 
 def trainer_assigning_rescale_grad(optimizer):
@@ -259,7 +259,7 @@ def trainer_worker_count(trainer, default):
     ``_allreduce_grads``), and a Trainer creates its kvstore lazily into ``_kvstore``."""
     if _is_horovod_trainer(trainer):
         import horovod.mxnet as hvd
-        _horovod_exit._install()
+        _horovod_exit.install()
         return hvd.size()
     if trainer._kv_initialized and trainer._kvstore is not None:
         return trainer._kvstore.num_workers
@@ -336,7 +336,7 @@ def wrap_trainer_step(trainer, reduce, update):
     Every Trainer the package drives is bound here once: a Horovod DistributedTrainer also
     gets the exit drain (`horovod_worker`)."""
     if _is_horovod_trainer(trainer):
-        _horovod_exit._install(refresh=True)
+        _horovod_exit.install(refresh=True)
     original_reduce = _weak_method(trainer, '_allreduce_grads')
     original_update = _weak_method(trainer, '_update')
     trainer._allreduce_grads = lambda: reduce(original_reduce)
@@ -363,7 +363,7 @@ def trainer_rank(trainer):
     DistributedTrainer has none and reduces through horovod, whose rank is ``hvd.rank()``."""
     if _is_horovod_trainer(trainer):
         import horovod.mxnet as hvd
-        _horovod_exit._install()
+        _horovod_exit.install()
         return hvd.rank()
     kv = trainer._kvstore if trainer._kv_initialized else None
     return kv.rank if kv is not None and 'dist' in kv.type else None
@@ -381,12 +381,12 @@ def horovod_worker():
 
     Every Horovod detection of the package (this and the DistributedTrainer branches above)
     also keeps the exit drain registered after ``hvd.init()``'s ``atexit`` hook: see
-    `mx_lbsgd._horovod_exit` (MXNet 1.9.1 can crash or hang when Horovod shuts down at exit
+    `mx_lbsgd.distributed.horovod_exit` (MXNet 1.9.1 can crash or hang when Horovod shuts down at exit
     with collectives still queued in its engine)."""
     hvd = sys.modules.get('horovod.mxnet')
     if hvd is None or not hvd.is_initialized():
         return None
-    _horovod_exit._install()
+    _horovod_exit.install()
     return hvd.rank(), hvd.size()
 
 
@@ -401,7 +401,7 @@ def creating_module_worker():
     Horovod (``hvd.DistributedOptimizer`` wraps it for Module) that registers the exit drain
     (`horovod_worker`)."""
     if horovod_worker() is not None:
-        _horovod_exit._install(refresh=True)
+        _horovod_exit.install(refresh=True)
     local = _init_optimizer_locals()
     kv = local.get('kvstore') if local is not None else None
     if not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:

@@ -47,8 +47,9 @@ import warnings
 import numpy as np
 import mxnet as mx
 
-from . import _binding, _compat, _legacy
-from .loss_scale import DynamicLossScaler
+from . import _compat, _legacy
+from .loss_scaling import DynamicLossScaler
+from .pipeline import binding as _binding
 
 __all__ = ['save_states', 'load_states', 'save_checkpoint', 'load_checkpoint']
 
@@ -85,7 +86,8 @@ def _allowed_globals():
                ('builtins', 'object'), ('builtins', 'set'), ('builtins', 'frozenset'),
                ('builtins', 'slice'), ('builtins', 'complex'), ('builtins', 'bytearray'),
                ('_codecs', 'encode'),
-               ('mx_lbsgd.loss_scale', 'DynamicLossScaler'),
+               ('mx_lbsgd.loss_scale', 'DynamicLossScaler'),     # before 0.2
+               ('mx_lbsgd.loss_scaling.scaler', 'DynamicLossScaler'),
                ('mx_lbsgd.lr_scheduler', 'WarmupScheduler')}
     # every registered optimizer (mx_lbsgd's register themselves on import)
     optimizers = set(mx.optimizer.Optimizer.opt_registry.values())

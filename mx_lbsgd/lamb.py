@@ -2,11 +2,9 @@
 import math
 
 from ._checks import check_int, check_real
-from ._lamb import LAMBFamily
-from ._pipeline import PipelineOptimizer
-from ._trust_ratio import TrustRatio
-from ._warmup import Warmup
-from .loss_scale import _as_scaler
+from .families import LAMBFamily
+from .loss_scaling import as_scaler
+from .pipeline import PipelineOptimizer, TrustRatio, Warmup
 
 #: `trust_exclude=True`: BERT practice leaves LayerNorm/BatchNorm and biases out of the ratio
 BERT_TRUST_EXCLUDE = ('bias', 'gamma', 'beta')
@@ -90,7 +88,7 @@ class LAMB(PipelineOptimizer):
                             'callable(name) -> bool; got %r' % (trust_exclude,))
         check_int('batch_scale', batch_scale, 1)
         super().__init__(learning_rate=learning_rate, batch_scale=batch_scale, fused=fused,
-                         loss_scaler=None if loss_scaler is None else _as_scaler(loss_scaler),
+                         loss_scaler=None if loss_scaler is None else as_scaler(loss_scaler),
                          count_skipped_steps=count_skipped_steps, scale_key=scale_key,
                          multi_precision=multi_precision, **kwargs)
         self.beta1 = float(beta1)

@@ -1,11 +1,9 @@
 """`LBSGD`: large-batch SGD with warmup, LARS, gradient accumulation and fp32 master weights."""
 from ._checks import check_choice, check_int, check_real
 from ._legacy import Ledger as _Ledger  # noqa: F401  (mx_lbsgd 0.1 files pickle this name)
-from ._pipeline import PipelineOptimizer
-from ._sgd import SGDFamily
-from ._trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
-from ._warmup import Warmup
-from .loss_scale import _as_scaler
+from .families import SGDFamily
+from .loss_scaling import as_scaler
+from .pipeline import DEFAULT_LARS_EXCLUDE, PipelineOptimizer, TrustRatio, Warmup
 from .schedules import WARMUP_SHAPES, WARMUP_STRATEGIES
 
 
@@ -159,7 +157,7 @@ class LBSGD(PipelineOptimizer):
             raise TypeError('lars_exclude must be None, a list of name suffixes or a '
                             'callable(name) -> bool; got %r' % (lars_exclude,))
         super().__init__(batch_scale=batch_scale, fused=fused,
-                         loss_scaler=None if loss_scaler is None else _as_scaler(loss_scaler),
+                         loss_scaler=None if loss_scaler is None else as_scaler(loss_scaler),
                          count_skipped_steps=count_skipped_steps, scale_key=scale_key,
                          multi_precision=multi_precision, **kwargs)
         self.momentum = float(momentum)

@@ -1,6 +1,6 @@
 """`LossScaledSGD` ('lssgd'): SGD with dynamic loss scaling built into the optimizer."""
 from .lbsgd import LBSGD
-from .loss_scale import _as_scaler
+from .loss_scaling import as_scaler
 
 
 class LossScaledSGD(LBSGD):
@@ -55,6 +55,6 @@ class LossScaledSGD(LBSGD):
                     "warmup use 'lbsgd' with loss_scaler=... (mx_lbsgd.LBSGD)" % fixed)
         super().__init__(momentum=momentum, multi_precision=multi_precision,
                          warmup_strategy='linear', warmup_epochs=0, batch_scale=1,
-                         loss_scaler=_as_scaler(loss_scaler), fused=fused,
+                         loss_scaler=as_scaler(loss_scaler), fused=fused,
                          count_skipped_steps=count_skipped_steps, scale_key=scale_key,
                          **kwargs)

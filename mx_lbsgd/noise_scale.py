@@ -33,7 +33,8 @@ import numpy as np
 import mxnet as mx
 from mxnet import nd
 
-from . import _binding, _compat, _kernels, _native
+from . import _compat, _kernels, _native
+from .pipeline import binding as _binding
 
 __all__ = ['GradientNoiseScale']
 

@@ -22,7 +22,7 @@ from mxnet import autograd, gluon
 
 import horovod.mxnet as hvd
 import mx_lbsgd
-from mx_lbsgd import _horovod_exit
+from mx_lbsgd.distributed import horovod_exit as _horovod_exit
 
 RAISE_RANK, RAISE_STEP, STEPS, EXTRA, STUCK_SECONDS = 1, 3, 6, 96, 60
 
@@ -59,7 +59,7 @@ def main():
             raise RuntimeError('worker %d fails at step %d with collectives in flight'
                                % (hvd.rank(), step))
     if args.unprotected:
-        atexit.unregister(_horovod_exit._drain_at_exit)
+        atexit.unregister(_horovod_exit.drain_at_exit)
     out = []
     for i in range(EXTRA):
         t = mx.nd.ones((1024,)) * (i + hvd.rank())

@@ -311,7 +311,7 @@ def test_two_device_trainer_resume_bit_identical(tmp_path):
 # appended, written the way MXNet's Updater.get_states writes them.
 import pickle  # noqa: E402
 
-from mx_lbsgd import _graph_scale  # noqa: E402
+from mx_lbsgd.loss_scaling import graph as _graph_scale  # noqa: E402
 from mx_lbsgd.lbsgd import _Ledger  # noqa: E402
 
 

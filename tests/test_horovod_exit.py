@@ -1,6 +1,6 @@
 """A Horovod job that ends with collectives still queued in MXNet's engine exits cleanly.
 
-Without the package's exit drain (`mx_lbsgd._horovod_exit`), Horovod's atexit shutdown runs
+Without the package's exit drain (`mx_lbsgd.distributed.horovod_exit`), Horovod's atexit shutdown runs
 before MXNet's and fails the queued collectives: every such job prints MXNet's
 "Exception ignored in atexit callback ... Horovod has been shut down", and some segfault,
 abort in glibc or hang (tests/hvd_exit_worker.py --unprotected shows it).

@@ -495,12 +495,12 @@ def test_trainer_warmup_continues_from_the_last_applied_window(B, count, inject,
 
 # -- unpickling has no global side effects --------------------------------------------------
 def _registry():
-    from mx_lbsgd import _graph_scale
+    from mx_lbsgd.loss_scaling import graph as _graph_scale
     return dict(_graph_scale._SCALERS)
 
 
 def _assert_same_registry(before):
-    from mx_lbsgd import _graph_scale
+    from mx_lbsgd.loss_scaling import graph as _graph_scale
     assert set(_graph_scale._SCALERS) == set(before)
     for key, scaler in before.items():
         assert _graph_scale._SCALERS[key] is scaler, key
@@ -524,7 +524,7 @@ def test_copies_do_not_change_the_served_scalers(make, how):
     opt = make(key)
     opt.loss_scaler.update(True)              # the copy's scaler state differs from a fresh one
     live = DynamicLossScaler(init_scale=4.0)   # e.g. a newer optimizer took the key since
-    from mx_lbsgd import _graph_scale
+    from mx_lbsgd.loss_scaling import graph as _graph_scale
     _graph_scale.serve(key, live)
     before = _registry()
     if how == 'pickle':

@@ -7,10 +7,10 @@ import pytest
 import mxnet as mx
 
 from mx_lbsgd import schedules
-from mx_lbsgd._scaling import SkipLedger
-from mx_lbsgd._trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
-from mx_lbsgd._warmup import Warmup
-from mx_lbsgd._window import InOptimizerWindow, TrainerWindow
+from mx_lbsgd.loss_scaling import SkipLedger
+from mx_lbsgd.pipeline.trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
+from mx_lbsgd.pipeline.warmup import Warmup
+from mx_lbsgd.pipeline.window import InOptimizerWindow, TrainerWindow
 from reference import lars_factor, warmup_multiplier
 
 

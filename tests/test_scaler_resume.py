@@ -195,7 +195,7 @@ def test_module_checkpoint_restores_the_user_scaler(tmp_path):
     """Module: mx_lbsgd.checkpoint carries the scaler state (MXNet's
     save_optimizer_states has no optimizer in it) into the live scaler that the
     scale_gradient op reads."""
-    from mx_lbsgd import _graph_scale
+    from mx_lbsgd.loss_scaling import graph as _graph_scale
 
     def module(scaler):
         data = mx.sym.Variable('data')

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from mx_lbsgd import DynamicLossScaler
-from mx_lbsgd._scaling import _StepGate, decide
+from mx_lbsgd.loss_scaling import StepGate as _StepGate, decide
 
 
 class _Handle:

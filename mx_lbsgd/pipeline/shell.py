@@ -30,13 +30,15 @@ import numpy as np
 import mxnet as mx
 from mxnet import nd
 
-from . import _binding, _compat, _graph_scale, _kernels, _legacy, _scaling, overflow
-from ._checks import check_choice, check_int, check_real
-from ._window import InOptimizerWindow
-from .loss_scale import DynamicLossScaler
+from .. import _compat, _kernels, _legacy
+from .._checks import check_choice, check_int, check_real
+from ..loss_scaling import gate as _scaling, graph as _graph_scale, overflow
+from ..loss_scaling.scaler import DynamicLossScaler
+from . import binding as _binding
+from .window import InOptimizerWindow
 
 
-class PipelineOptimizer(overflow._OverflowViews, mx.optimizer.Optimizer):
+class PipelineOptimizer(overflow.OverflowViews, mx.optimizer.Optimizer):
     """Base of mx_lbsgd's optimizers; see the module docstring. Subclasses set
     ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`."""
 
@@ -80,14 +82,14 @@ class PipelineOptimizer(overflow._OverflowViews, mx.optimizer.Optimizer):
 
     def _build_pieces(self):
         self._scratch, self._plans = {}, {}
-        self._gate = _scaling._StepGate(self.fused)
+        self._gate = _scaling.StepGate(self.fused)
         self._ledger = _scaling.SkipLedger(self.count_skipped_steps)
         # pickled as plain values
         self._ledger.skipped_updates = self.__dict__.pop('_skipped_updates', 0)
         self._ledger.last_step_skipped = bool(self.__dict__.pop('last_step_skipped', False))
         self._accumulator = InOptimizerWindow(self.batch_scale)
         self._step_window = None   # None, or whether this step closes a Trainer's window
-        self._overflow = overflow._OverflowMonitor(
+        self._overflow = overflow.OverflowMonitor(
             getattr(self, 'overflow_history_size', overflow.HISTORY_SIZE),
             getattr(self, 'overflow_log_interval', overflow.LOG_INTERVAL))
         self._step_trainer = None  # weakref to the Trainer of this step (its rank)

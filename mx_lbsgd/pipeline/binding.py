@@ -22,8 +22,8 @@ window. A Trainer is bound at its first step (or by `bind`), once.
 """
 import weakref
 
-from . import _compat, _kernels
-from ._window import TrainerWindow
+from .. import _compat, _kernels
+from .window import TrainerWindow
 
 _BINDINGS = weakref.WeakKeyDictionary()
 

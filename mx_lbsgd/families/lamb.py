@@ -41,7 +41,7 @@ checkpoints, and counts ``t`` in applied updates. Compared with PyTorch implemen
 import numpy as np
 from mxnet import nd
 
-from . import _kernels, _native
+from .. import _kernels, _native
 
 MAX_TENSORS_PER_KERNEL = 45    # MXNet's multi_lamb_update (MXNET_OPTIMIZER_AGGREGATION_SIZE)
 

@@ -29,7 +29,7 @@ The communicated values have the magnitude of one micro-batch's (scaled) gradien
 fp16 gradient or fp16 compression overflows no sooner than without accumulation, and an
 inf/NaN from any micro-batch of any worker reaches every worker.
 """
-from . import _compat, _kernels
+from .. import _compat, _kernels
 
 
 class InOptimizerWindow:

@@ -7,7 +7,7 @@ MXNet LBSGD's warmup rises from 1 to the batch scale B over W micro-batches::
 where n counts this run's micro-batches (skipped windows are not counted) and ``offset``
 is ``begin_epoch * updates_per_epoch``.
 """
-from .schedules import warmup_multiplier
+from ..schedules import warmup_multiplier
 
 
 class Warmup:

@@ -19,7 +19,7 @@ ratio and loss-scale gate do not depend on it.
 import numpy as np
 from mxnet import nd
 
-from . import _kernels, _native
+from .. import _kernels, _native
 
 
 class SGDFamily:

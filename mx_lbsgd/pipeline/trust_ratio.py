@@ -10,7 +10,7 @@ It multiplies whatever the other multipliers (warmup) give: the rates reach the 
 a float32 vector on the device, so the ratio costs no host sync (except for a layer with a
 row_sparse gradient, whose sparse kernel takes lr as a float).
 """
-from . import _kernels
+from .. import _kernels
 
 DEFAULT_LARS_EXCLUDE = ('bias', 'gamma', 'beta')
 

@@ -10,7 +10,7 @@ queued collective; MXNet 1.9.1 records those failures in the engine's list of ex
 (a collective pushed after the shutdown never completes) a hang. Draining the engine before
 Horovod's hook runs leaves nothing for it to fail.
 
-The package registers `_drain_at_exit` when one of its Horovod paths first sees an initialized
+The package registers `drain_at_exit` when one of its Horovod paths first sees an initialized
 Horovod (`mx_lbsgd._compat`: a Horovod DistributedTrainer bound, an optimizer created under
 Horovod, the worker checks of overflow reports and the noise-scale monitor), and registers it
 again at each later Trainer binding or optimizer creation, so that it stays after the hook of
@@ -35,7 +35,7 @@ _FAILED_TIMEOUT = 5.0
 _registered = [False]
 
 
-def _install(refresh=False):
+def install(refresh=False):
     """Register the drain with ``atexit`` (once), so that it runs before every
     ``hvd.shutdown`` registered so far. `refresh`: register it again even if it was (moved
     to the front of the LIFO order, after an ``hvd.init()`` called since); for the rare call
@@ -43,8 +43,8 @@ def _install(refresh=False):
     leaves a slot behind."""
     if _registered[0] and not refresh:
         return
-    atexit.unregister(_drain_at_exit)
-    atexit.register(_drain_at_exit)
+    atexit.unregister(drain_at_exit)
+    atexit.register(drain_at_exit)
     _registered[0] = True
 
 
@@ -67,7 +67,7 @@ def _flush():
             pass
 
 
-def _drain_at_exit():
+def drain_at_exit():
     """atexit hook: ``mx.nd.waitall()`` in a helper thread, bounded by the timeout. On time
     out (a peer gone, a collective nobody else runs), print why and end the process with
     status 1 before Horovod's and MXNet's exit hooks, which would crash or hang on the

@@ -1,10 +1,10 @@
 """The one loss-scaling core: finite check, step-level skip decision, scaler update,
 1/scale folding and the refusal texts. Used by the loss-scaled optimizers (through
-`_StepGate`) and by the `LossScaling` Trainer hook (through `decide`).
+`StepGate`) and by the `LossScaling` Trainer hook (through `decide`).
 
 MXNet's Updater calls an optimizer several times per step: once per device (Gluon keeps one
 Updater per device, Module one for all) and, within a device, once per weight dtype. A skip
-decided call by call could apply the float32 group and skip the float16 one. `_StepGate`
+decided call by call could apply the float32 group and skip the float16 one. `StepGate`
 decides once per step instead, with one host read:
 
 - Gluon (firm signal): ``Trainer.step``/``update`` set the optimizer's ``rescale_grad``
@@ -20,7 +20,7 @@ decides once per step instead, with one host read:
 """
 import warnings
 
-from . import _compat, _kernels
+from .. import _compat, _kernels
 
 _KVSTORE_REFUSAL = (
     '%s cannot run with update_on_kvstore=True: the kvstore updates each parameter as soon '
@@ -89,7 +89,7 @@ class SkipLedger:
         return num_update
 
 
-class _StepGate:
+class StepGate:
     """Step-level all-or-nothing decisions for an optimizer (see the module docstring).
 
     `check(grads, fused) -> bool` is the finite check (injected so that the gate's

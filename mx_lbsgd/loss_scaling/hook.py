@@ -1,0 +1,210 @@
+"""`LossScaling`: dynamic loss scaling for any `gluon.Trainer` and any optimizer."""
+import warnings
+import weakref
+
+import numpy as np
+import mxnet as mx
+
+from .. import _compat, _kernels
+from .._checks import check_choice, check_int, check_real
+from ..pipeline import binding as _binding
+from . import gate as _scaling, overflow
+from .scaler import as_scaler
+
+
+class LossScaling(overflow.OverflowViews):
+    """Attach dynamic loss scaling to one or several `gluon.Trainer`s::
+
+        scaling = mx_lbsgd.LossScaling(trainer)          # or [trainer_a, trainer_b]
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+            scaled = scaling.scale_loss(loss)            # loss * scale
+        scaled.backward()
+        scaling.unscale()                                # optional, before clipping
+        scaling.clip_global_norm(1.0)                    # optional, needs unscale()
+        applied = scaling.step(batch_size)               # check, skip or apply, adjust scale
+
+    `step` all-reduces the gradients (Trainer.allreduce_grads), checks every gradient of
+    every trainer on every device on the device, reads one flag back to the host, and then
+    either skips the update (no weight, momentum or master copy changes) or runs
+    ``Trainer.update(batch_size * scale)``, which folds 1/scale into the optimizer's
+    rescale_grad, so unscaling costs no extra pass. The scaler is updated once per step,
+    skipped or not. With gradient accumulation (grad_req='add'), call `step` once per
+    update: the scale stays fixed inside the window. With ``LBSGD(batch_scale>1)`` every
+    micro-batch is a step of the hook, unscaled as it is accumulated, and the gradients are
+    reduced every micro-batch (``LBSGD(loss_scaler=...)`` reduces once per window).
+
+    Differences from MXNet's contrib.amp: any Optimizer, configurable and checkpointable
+    scaler (`scaler.state_dict()`), every device's gradient copy checked, fp16 and fp32
+    gradients mixed, several trainers sharing one scaler.
+
+    Parameters
+    ----------
+    trainers : gluon.Trainer or list of them (each with update_on_kvstore=False)
+    scaler : DynamicLossScaler, float (a static scale) or None (the defaults)
+    force : bool
+        Scale even when no gradient is float16 (otherwise that is a no-op with a warning).
+    fused : None or bool
+        Overflow-check kernels: see `LBSGD(fused=...)`.
+    history_size : int >= 0, default 32
+        Overflow reports kept in ``overflow_history``.
+    log_interval : float >= 0, default 30
+        Seconds between two log records of skipped steps (logger 'mx_lbsgd', INFO; the
+        next record counts the ones left out).
+    check_local : bool, default False
+        On a distributed job, keep a device-side finite flag of this worker's gradients
+        before the all-reduce, so a report can say whether this worker overflowed (one
+        finite check per step more; never read on a finite step).
+
+    After a skipped step ``last_overflow`` is an `OverflowReport` (None after a finite
+    step); ``overflow_history`` and ``overflow_tally`` keep the recent ones.
+    """
+
+    def __init__(self, trainers, scaler=None, force=False, fused=None,
+                 history_size=overflow.HISTORY_SIZE, log_interval=overflow.LOG_INTERVAL,
+                 check_local=False):
+        self.trainers = [trainers] if isinstance(trainers, mx.gluon.Trainer) else list(trainers)
+        if not self.trainers or not all(isinstance(t, mx.gluon.Trainer) for t in self.trainers):
+            raise TypeError('trainers must be a gluon.Trainer or a list of them; got %r'
+                            % (trainers,))
+        for t in self.trainers:
+            if getattr(t.optimizer, 'loss_scaler', None) is not None:
+                raise ValueError('LossScaling: the optimizer %s already scales the loss '
+                                 '(loss_scaler=%r); use one of the two, not both'
+                                 % (type(t.optimizer).__name__, t.optimizer.loss_scaler))
+        self.scaler = as_scaler(scaler, 'scaler')
+        self.force = bool(force)
+        self.fused = check_choice('fused', fused, (None, True, False))
+        self.last_step_skipped = False
+        self.check_local = check_choice('check_local', check_local, (False, True))
+        self._overflow = overflow.OverflowMonitor(
+            check_int('history_size', history_size, 0),
+            check_real('log_interval', log_interval, 0.0, allow_inf=True))
+        self._local_flag = None
+        self._active = None            # decided on first use, once gradients exist
+        self._reduced = False
+        self._unscaled = False
+        self._means = None             # per trainer, the mean-over-workers factor unscale() used
+        self.batch_size = None         # of the last step() (GradientNoiseScale reads it)
+        for t in self.trainers:
+            _binding.bind(t, window=False).loss_scaling = weakref.ref(self)
+
+    @property
+    def scale(self):
+        return self.scaler.scale if self._is_active() else 1.0
+
+    def _params(self, trainers=None):
+        return [p for t in (self.trainers if trainers is None else trainers)
+                for p in _compat.trainer_params(t) if p.grad_req != 'null']
+
+    def _grads(self, trainers=None):
+        return [_compat.legacy(g) for p in self._params(trainers) for g in p.list_grad()]
+
+    def _is_active(self):
+        if self._active is None:
+            params = self._params()
+            if not params:
+                return self.scaler.enabled      # deferred init: decide once grads exist
+            fp16 = any(np.dtype(p.dtype) == np.float16 for p in params)
+            self._active = self.scaler.enabled and (fp16 or self.force)
+            if self.scaler.enabled and not fp16 and not self.force:
+                warnings.warn('LossScaling: no float16 gradient, so loss scaling is off '
+                              '(pass force=True to scale float32 gradients anyway)')
+        return self._active
+
+    def _prepare(self):
+        for t in self.trainers:
+            _compat.init_trainer_kvstore(t)
+            if _compat.trainer_updates_on_kvstore(t):
+                _scaling.refuse_kvstore_updates('LossScaling')
+        if not self._reduced:
+            if self.check_local and self._is_active() and self._workers()[1] > 1:
+                self._local_flag = _kernels.finite_flag(self._grads(), self.fused)
+            for t in self.trainers:
+                t.allreduce_grads()
+            self._reduced = True
+
+    def scale_loss(self, loss):
+        """loss * scale (a list of losses gives a list)."""
+        scale = self.scale
+        if isinstance(loss, (list, tuple)):
+            return [l * scale for l in loss]
+        return loss * scale
+
+    def unscale(self):
+        """All-reduce, then divide the gradients by the scale in place, e.g. before clipping.
+
+        Afterwards every device's gradient holds the mean over workers of each worker's
+        gradient (summed over its samples and devices), whatever the engine: MXNet's
+        reductions sum over workers (``dist_*`` kvstores, Horovod on CPU/gloo) or average
+        (Horovod with NCCL >= 2.10), and the factor that makes the mean is folded into the
+        same pass (`step` folds it back into ``rescale_grad``, so the update is unchanged).
+        One worker's gradients are only divided by the scale."""
+        if self._unscaled:
+            raise RuntimeError('unscale() was already called since the last step()')
+        self._prepare()
+        scale = self.scaler.scale if self._is_active() else 1.0
+        self._means = [_compat.reduced_gradient_mean_factor(t) for t in self.trainers]
+        for trainer, mean in zip(self.trainers, self._means):
+            if mean / scale != 1.0:
+                _kernels.scale_in_place(self._grads([trainer]), mean / scale)
+        self._unscaled = True
+
+    def clip_global_norm(self, max_norm):
+        """Clip the unscaled gradients to a global L2 norm of `max_norm` on each device
+        (the norm of the mean over workers, see `unscale`: the same threshold on one
+        worker or many). Returns the norm (an NDArray on the first device) without a host
+        sync."""
+        if not self._unscaled:
+            raise RuntimeError('call unscale() before clip_global_norm(): the gradients are '
+                               'still multiplied by the loss scale')
+        by_ctx = {}
+        for g in self._grads():
+            by_ctx.setdefault(g.context, []).append(g)
+        norms = [mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)
+                 for grads in by_ctx.values()]
+        return norms[0]
+
+    def step(self, batch_size, ignore_stale_grad=False):
+        """Check, then apply or skip the update, then adjust the scale. True if applied."""
+        self.batch_size = batch_size
+        self._prepare()
+        active = self._is_active()
+        scale = self.scaler.scale
+        applied = not active or _scaling.decide(self.scaler, self._grads(), self.fused)
+        if active and applied:
+            self._overflow.finite()
+        elif active:
+            self._report(scale)
+        self._local_flag = None
+        for t in self.trainers:
+            account = getattr(t.optimizer, 'step_outside', None)
+            if account is not None:       # an mx_lbsgd optimizer: count_skipped_steps etc.
+                account(applied)
+        if applied:
+            fold = 1.0 if (self._unscaled or not active) else _scaling.unscale_factor(scale)
+            for t, mean in zip(self.trainers, self._means if self._unscaled
+                               else [1.0] * len(self.trainers)):
+                # after unscale() the gradients hold the mean over workers: the update's
+                # rescale_grad (Trainer scale / batch) takes the factor back
+                t.update(batch_size / fold * mean, ignore_stale_grad)
+        self.last_step_skipped = not applied
+        self._reduced = self._unscaled = False
+        return applied
+
+    def _workers(self):
+        trainer = self.trainers[0]
+        return _compat.trainer_rank(trainer), _compat.trainer_worker_count(trainer, 1)
+
+    def _report(self, scale):
+        named = [(p.name, _compat.legacy(g)) for p in self._params() for g in p.list_grad()]
+        opt = self.trainers[0].optimizer
+        # an mx_lbsgd optimizer accumulating after the reduction: each micro-batch is a step
+        micro_batch = (opt.window_position + 1
+                       if getattr(opt, 'batch_scale', 1) > 1 and hasattr(opt, 'window_position')
+                       else None)
+        rank, workers = self._workers()
+        self._overflow.skipped(
+            scaler=self.scaler, scale=scale, named_grads=named, micro_batch=micro_batch,
+            local_flags=None if self._local_flag is None else {0: self._local_flag},
+            rank=rank, num_workers=workers)

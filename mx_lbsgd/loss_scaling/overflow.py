@@ -1,0 +1,283 @@
+"""Why a loss-scaled step was skipped: an `OverflowReport` per skipped step, at no cost on
+finite steps.
+
+The step's one finite flag decides; only when it says "not finite" is the detail computed,
+on the devices, and read back only when someone looks at it::
+
+    per gradient copy: inf = count(|g| == inf), nan = count(g != g)      # kernels, no read
+    looked at (last_overflow, history, tally, a log record, the warning): one host read of
+        those counts and of the device-side flags kept before the reduction, then
+    per parameter: kind = 'inf' | 'nan' | 'inf+nan' (over its device copies),
+                   count = the most non-finite elements in one copy
+
+PyTorch's GradScaler keeps one found-inf flag per device and tells nothing more; DeepSpeed
+logs "OVERFLOW! Rank 0 Skipping step" on rank 0 with the old and new scale. Here the report
+names the parameters, kinds, counts, micro-batch, step, scale and rank, and says what the
+reduction hid (`OverflowReport.note`).
+"""
+import collections
+import dataclasses
+import logging
+import time
+import types
+import warnings
+from typing import Mapping, Optional
+
+import numpy as np
+import mxnet as mx
+from mxnet import nd
+
+_log = logging.getLogger('mx_lbsgd')
+
+#: defaults of the optimizers' and LossScaling's overflow settings
+HISTORY_SIZE = 32
+LOG_INTERVAL = 30.0       # seconds between two log records of skipped steps
+TOP_OFFENDERS = 3
+
+
+class LossScaleFallingWarning(RuntimeWarning):
+    """The loss scale keeps falling (see `DynamicLossScaler`'s warn_* settings).
+    ``offenders``: [(parameter name, skipped steps it overflowed in)], most first."""
+
+    def __init__(self, message, offenders=()):
+        super().__init__(message)
+        self.offenders = list(offenders)
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowReport:
+    """One skipped loss-scaled step.
+
+    step: the loss scaler's step number (1-based, skipped steps included; with a window
+        at the Trainer one step is one window). scale: the scale the gradients carried;
+        scale_after: the scale after this step's backoff.
+    parameters: {name: 'inf' | 'nan' | 'inf+nan'}; counts: {name: non-finite elements},
+        both ordered by count, most first.
+    micro_batch: 1..batch_scale when batch_scale > 1 and it is known, else None.
+    rank, num_workers: this worker's rank under dist_sync or Horovod (None, 1 alone).
+    originated_here: True when this worker's own gradients held non-finite values before
+        the reduction, False when they did not, None when that cannot be known.
+    note: what was checked and what the reduction hid.
+    """
+    step: int
+    scale: float
+    scale_after: float
+    parameters: Mapping[str, str]
+    counts: Mapping[str, int]
+    micro_batch: Optional[int] = None
+    rank: Optional[int] = None
+    num_workers: int = 1
+    originated_here: Optional[bool] = None
+    note: str = ''
+
+    def __str__(self):
+        where = '' if self.rank is None else ', rank %d of %d' % (self.rank, self.num_workers)
+        if self.micro_batch is not None:
+            where += ', micro-batch %d' % self.micro_batch
+        found = ', '.join('%s %s (%d)' % (n, k, self.counts[n])
+                          for n, k in self.parameters.items()) or 'no parameter named'
+        return 'step %d skipped (loss scale %g -> %g)%s: %s.%s' % (
+            self.step, self.scale, self.scale_after, where, found,
+            ' ' + self.note if self.note else '')
+
+
+def _device_values(grads, local_flags):
+    """One float32 vector on the CPU, computed on the devices without a host read: per
+    gradient its inf and nan counts (fp16 counted in fp32, exact to 2**24 per tensor), then
+    the local flags in key order."""
+    parts = []
+    for g in grads:
+        g = g.data if g.stype != 'default' else g
+        if g.dtype == np.float16:
+            g = g.astype(np.float32)
+        parts += [(nd.abs(g) == np.inf).sum(), (g != g).sum()]
+    parts += [local_flags[k] for k in sorted(local_flags or ())]
+    if not parts:
+        return None
+    return nd.concat(*[p.astype(np.float32, copy=False).as_in_context(mx.cpu())
+                       for p in parts], dim=0)
+
+
+def _by_parameter(names, counts):
+    """{name: (kind, count)} ordered by count, most first; copies of one parameter merge
+    (kind over the copies, count of the copy with the most)."""
+    merged = {}
+    for name, (inf, nan) in zip(names, counts):
+        if inf or nan:
+            had_inf, had_nan, most = merged.get(name, (False, False, 0))
+            merged[name] = (had_inf or inf > 0, had_nan or nan > 0, max(most, inf + nan))
+    order = sorted(merged, key=lambda n: (-merged[n][2], n))
+    return {n: ('inf+nan' if merged[n][0] and merged[n][1] else 'inf' if merged[n][0]
+                else 'nan', merged[n][2]) for n in order}
+
+
+class _Pending:
+    """A skipped step's report as device values; `report()` reads them (one host read) the
+    first time someone looks: `last_overflow`, the history, a log record, the tally."""
+
+    def __init__(self, names, values, local_keys, meta):
+        self._names, self._values, self._keys, self._meta = names, values, local_keys, meta
+        self._report = None
+
+    def report(self):
+        if self._report is None:
+            host = ([] if self._values is None
+                    else self._values.asnumpy().astype(np.int64).tolist())
+            n = len(self._names)
+            counts = [(host[2 * j], host[2 * j + 1]) for j in range(n)]
+            flags = dict(zip(self._keys, (bool(v) for v in host[2 * n:])))
+            found = _by_parameter(self._names, counts)
+            meta = dict(self._meta)
+            micro_batch, here, note = _locate(flags=flags, **meta.pop('where'))
+            self._report = OverflowReport(
+                parameters=types.MappingProxyType({k: v for k, (v, _) in found.items()}),
+                counts=types.MappingProxyType({k: c for k, (_, c) in found.items()}),
+                micro_batch=micro_batch, originated_here=here, note=note, **meta)
+            self._values = None
+        return self._report
+
+
+def _locate(*, flags, micro_batch, num_workers, window):
+    """(micro_batch, originated_here, note) from what this worker can know; `flags`:
+    {micro-batch (0: the step): finite?} of this worker's gradients before the reduction."""
+    failed = [k for k, ok in flags.items() if not ok]
+    distributed = num_workers > 1
+    notes = []
+    # the engine sums (kvstore servers, Horovod on CPU/gloo) or averages (Horovod with
+    # NCCL >= 2.10); a positive factor changes no kind or count, so the note names both
+    reduced = (' reduced over %d workers (their sum, or their mean where the allreduce '
+               'averages)' % num_workers if distributed else '')
+    if window:
+        micro_batch = min(failed) if failed and min(failed) > 0 else None
+        notes.append('Checked: the mean of the window of %d micro-batches%s, so kinds and '
+                     'counts are those of the values checked (inf + -inf = nan).'
+                     % (window, reduced))
+    elif distributed:
+        notes.append('Checked: the gradients%s, so kinds and counts are those of the values '
+                     'checked (inf + -inf = nan).' % reduced)
+    if not distributed:
+        return micro_batch, True, ' '.join(notes)
+    if not flags:
+        notes.append("Whether this worker's own gradients overflowed is not known: the "
+                     'reduction overwrote them (check_local_overflow=True keeps one '
+                     'device-side flag per step to know it).')
+        return micro_batch, None, ' '.join(notes)
+    if failed:
+        mine = ('micro-batch(es) %s' % ', '.join(map(str, failed)) if min(failed) > 0
+                else 'gradients')
+        notes.append("This worker's own %s held non-finite values before the reduction; "
+                     'whether other workers did too is not known without communication.'
+                     % mine)
+        return micro_batch, True, ' '.join(notes)
+    notes.append("This worker's gradients were finite before the reduction: another worker's "
+                 '(which one is not known without communication) or the reduction itself (an '
+                 'fp16 sum can overflow) produced the non-finite values.')
+    return micro_batch, False, ' '.join(notes)
+
+
+class OverflowViews:
+    """`last_overflow`, `overflow_history` and `overflow_tally` of an object that keeps its
+    reports in ``self._overflow`` (the loss-scaled optimizers and the LossScaling hook)."""
+
+    @property
+    def last_overflow(self):
+        """The `OverflowReport` of the last step if it was skipped, else None."""
+        return self._overflow.last
+
+    @property
+    def overflow_history(self):
+        """The last reports (a deque, oldest first)."""
+        return self._overflow.history
+
+    @property
+    def overflow_tally(self):
+        """{parameter name: skipped steps it overflowed in}."""
+        return self._overflow.tally
+
+
+class OverflowMonitor:
+    """The reports of one optimizer or hook: `last`, a bounded `history`, a `tally` of the
+    skipped steps each parameter overflowed in, rate-limited log records and the early
+    warning (the scaler's alert, with the top offenders).
+
+    A skipped step only launches the counting kernels; the host read waits until a report
+    is looked at, logged (INFO enabled for 'mx_lbsgd'), warned about, or is about to leave
+    the history untallied."""
+
+    def __init__(self, history_size=HISTORY_SIZE, log_interval=LOG_INTERVAL):
+        self.history_size = history_size
+        self._tally = collections.Counter()
+        self.log_interval = log_interval
+        self._last = None
+        self._recent = collections.deque(maxlen=history_size)
+        self._untallied = collections.deque()
+        self._clock = time.monotonic
+        self._last_log = None
+        self._suppressed = 0
+
+    @property
+    def last(self):
+        return None if self._last is None else self._last.report()
+
+    @property
+    def history(self):
+        return collections.deque((p.report() for p in self._recent), maxlen=self.history_size)
+
+    @property
+    def tally(self):
+        self._settle(len(self._untallied))
+        return self._tally
+
+    def finite(self):
+        self._last = None
+
+    def skipped(self, *, scaler, scale, named_grads, micro_batch=None, local_flags=None,
+                rank=None, num_workers=1, window=0):
+        """Keep the report of a skipped step (device values), log it, warn on the scaler's
+        alert. `window`: the window's size when the checked gradient is a Trainer window's
+        mean."""
+        meta = dict(step=scaler.total_steps, scale=float(scale),
+                    scale_after=float(scaler.scale), rank=rank, num_workers=int(num_workers),
+                    where=dict(micro_batch=micro_batch, num_workers=int(num_workers),
+                               window=window))
+        pending = _Pending([n for n, _ in named_grads],
+                           _device_values([g for _, g in named_grads], local_flags),
+                           sorted(local_flags or ()), meta)
+        self._last = pending
+        self._recent.append(pending)
+        self._untallied.append(pending)
+        self._settle(len(self._untallied) - max(self.history_size, 1))
+        self._log(pending)
+        alert = scaler.take_alert()
+        if alert:
+            self._warn(alert)
+
+    def _settle(self, n):
+        for _ in range(max(n, 0)):
+            self._tally.update(self._untallied.popleft().report().parameters.keys())
+
+    def _log(self, pending):
+        now = self._clock()
+        if self._last_log is not None and now - self._last_log < self.log_interval:
+            self._suppressed += 1
+            return
+        if not _log.isEnabledFor(logging.INFO):
+            return
+        report = pending.report()
+        tail = ('' if not self._suppressed else ' [%d more skipped step(s) not logged in the '
+                'last %.0f s]' % (self._suppressed, now - self._last_log))
+        _log.info('%s%s', report, tail, extra={'overflow_report': report,
+                                              'suppressed': self._suppressed})
+        self._last_log, self._suppressed = now, 0
+
+    def top_offenders(self, n=TOP_OFFENDERS):
+        return self.tally.most_common(n)
+
+    def _warn(self, alert):
+        top = self.top_offenders()
+        named = ', '.join('%s (%d step(s))' % item for item in top) or 'none named'
+        message = ('%s. Parameters that overflowed most: %s. Lower the learning rate, clip '
+                   'gradients, or look at these layers before the scale reaches min_scale.'
+                   % (alert, named))
+        _log.warning(message)
+        warnings.warn(LossScaleFallingWarning(message, top), stacklevel=4)
