@@ -38,102 +38,35 @@ checkpoints, and counts ``t`` in applied updates. Compared with PyTorch implemen
 (there is no LAMB in torch.optim; NVIDIA apex's FusedLAMB): MXNet's epsilon placement
 (outside the square root of the corrected variance) and weight decay inside ``d``.
 """
-import numpy as np
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
 from mxnet import nd
 
 from .. import _kernels, _native
+from .base import (Arrays, FamilyBase, FamilyState, Floats, Masters, native_clip,
+                   update_kwargs)
+from .base import cast_down as _cast_down
 
 MAX_TENSORS_PER_KERNEL = 45    # MXNet's multi_lamb_update (MXNET_OPTIMIZER_AGGREGATION_SIZE)
+#: (mean, var) of one tensor
+Moments = Tuple[nd.NDArray, nd.NDArray]
 
 
-class LAMBFamily:
-    """MXNet LAMB: state (mean, var), or (weight_fp32, (mean, var)) with master copies."""
-
-    name = 'LAMB'
-    supports_sparse = False
-    trust_in_kernel = True
-    single_tensor = None      # set below: the module's kernels
-    multi_tensor = None
-
-    def __init__(self, beta1, beta2, epsilon, lower_bound, upper_bound, bias_correction):
-        self.hyper = dict(beta1=float(beta1), beta2=float(beta2), epsilon=float(epsilon),
-                          bias_correction=bool(bias_correction))
-        self.bounds = {}
-        if lower_bound:
-            self.bounds['lower_bound'] = float(lower_bound)
-        if upper_bound:
-            self.bounds['upper_bound'] = float(upper_bound)
-
-    def make_state(self, weight, dtype, master):
-        stype = weight.stype
-        moments = (nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype),
-                   nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype))
-        return moments if master is None else (master, moments)
-
-    def split(self, base, with_master):
-        """((mean, var), master or None) of a LAMB state, or None when it does not fit."""
-        if not isinstance(base, tuple) or len(base) != 2:
-            return None
-        if with_master:
-            master, moments = base
-            if not isinstance(moments, tuple) or len(moments) != 2:
-                return None
-            return moments, master
-        if isinstance(base[1], tuple):
-            return None
-        return base, None
-
-    def describe(self):
-        return 'beta1=%g, beta2=%g' % (self.hyper['beta1'], self.hyper['beta2'])
-
-    @staticmethod
-    def native_kernel(device_type, dtype, with_master):
-        """`_native_lamb` for float32 weights, or float16 with fp32 master copies, on CPU
-        when the native library is built; None otherwise (MXNet's operators run)."""
-        supported = np.dtype(dtype) == np.float32 and not with_master or \
-            np.dtype(dtype) == np.float16 and with_master
-        if device_type != 'cpu' or not supported or _native.ops() is None:
-            return None
-        return _native_lamb
-
-    @staticmethod
-    def sparse_refusal(names):
-        return ('LAMB has no sparse update (neither has mx.optimizer.LAMB): parameter(s) %s '
-                'have row_sparse gradients or non-default storage. Use dense gradients '
-                "(Embedding(sparse_grad=False)), or 'lbsgd' for those parameters"
-                % ', '.join(map(repr, names)))
-
-    def run(self, kernel, *, states, steps, ratio_applies, lr_vector, **common):
-        """Run `kernel`; tensors excluded from the trust ratio take the per-tensor path."""
-        groups = [(kernel, list(range(len(states))))]
-        if kernel is _multi_tensor_lamb and ratio_applies is not None \
-                and not all(ratio_applies):
-            groups = [(_multi_tensor_lamb, [j for j, a in enumerate(ratio_applies) if a]),
-                      (_single_tensor_lamb, [j for j, a in enumerate(ratio_applies) if not a])]
-        lists = dict(common, states=states, steps=steps, ratio_applies=ratio_applies)
-        for path, pos in groups:
-            if pos:
-                path(bounds=self.bounds, **_pick(pos, lists), **self.hyper)
-
-
-def _pick(pos, kwargs):
+def _pick(pos: List[int], kwargs: dict) -> dict:
     """kwargs with every list argument reduced to the entries at `pos`."""
     return {k: [v[j] for j in pos] if isinstance(v, list) else v for k, v in kwargs.items()}
 
 
-def _phase1_kwargs(beta1, beta2, epsilon, bias_correction, rescale_grad, clip_gradient):
-    kwargs = dict(beta1=beta1, beta2=beta2, epsilon=epsilon, bias_correction=bias_correction,
-                  rescale_grad=rescale_grad)
-    if clip_gradient:
-        kwargs['clip_gradient'] = clip_gradient
-    return kwargs
-
-
-def _single_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_applies,
-                        bounds, beta1, beta2, epsilon, bias_correction, rescale_grad,
-                        clip_gradient, scratch):
-    kwargs = _phase1_kwargs(beta1, beta2, epsilon, bias_correction, rescale_grad,
-                            clip_gradient)
+def _single_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments],
+                        masters: Masters, lrs: Floats, wds: Floats, steps: List[int],
+                        ratio_applies: Optional[List[bool]], bounds: Dict[str, float],
+                        beta1: float, beta2: float, epsilon: float, bias_correction: bool,
+                        rescale_grad: float, clip_gradient: Optional[float],
+                        scratch: dict) -> None:
+    kwargs = update_kwargs(rescale_grad, clip_gradient, beta1=beta1, beta2=beta2,
+                           epsilon=epsilon, bias_correction=bias_correction)
     for i, (w, g, (mean, var), w32) in enumerate(zip(weights, grads, states, masters)):
         target = w if w32 is None else w32
         if w32 is not None and g.dtype != w32.dtype:
@@ -151,9 +84,12 @@ def _single_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, rat
             nd.Cast(w32, dtype=w.dtype, out=w)
 
 
-def _native_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_applies, bounds,
-                 beta1, beta2, epsilon, bias_correction, rescale_grad, clip_gradient,
-                 scratch):  # pylint: disable=unused-argument
+def _native_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments], masters: Masters,
+                 lrs: Floats, wds: Floats, steps: List[int],
+                 ratio_applies: Optional[List[bool]], bounds: Dict[str, float], beta1: float,
+                 beta2: float, epsilon: float, bias_correction: bool, rescale_grad: float,
+                 clip_gradient: Optional[float],
+                 scratch: dict) -> None:  # pylint: disable=unused-argument
     """All tensors in one call of the native ``mx_lbsgd_lamb_update`` (two passes over
     memory, norms included; excluded layers take ratio 1 in the same call)."""
     mp = masters[0] is not None
@@ -165,18 +101,19 @@ def _native_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_appl
         *arrays, num_tensors=len(weights), multi_precision=int(mp), lrs=numbers(lrs),
         wds=numbers(wds), steps=numbers(steps), applies=numbers(applies), beta1=beta1,
         beta2=beta2, epsilon=epsilon, bias_correction=int(bias_correction),
-        rescale_grad=rescale_grad, clip_gradient=clip_gradient or -1.0,
+        rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient),
         lower_bound=bounds.get('lower_bound', -1.0),
         upper_bound=bounds.get('upper_bound', -1.0))
 
 
-def _multi_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, ratio_applies,
-                       bounds, beta1, beta2, epsilon, bias_correction, rescale_grad,
-                       clip_gradient, scratch):  # pylint: disable=unused-argument
-    kwargs = dict(beta1=beta1, beta2=beta2, epsilon=epsilon, bias_correction=bias_correction,
-                  rescale_grad=rescale_grad, **bounds)
-    if clip_gradient:
-        kwargs['clip_gradient'] = clip_gradient
+def _multi_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments],
+                       masters: Masters, lrs: Floats, wds: Floats, steps: List[int],
+                       ratio_applies: Optional[List[bool]], bounds: Dict[str, float],
+                       beta1: float, beta2: float, epsilon: float, bias_correction: bool,
+                       rescale_grad: float, clip_gradient: Optional[float],
+                       scratch: dict) -> None:  # pylint: disable=unused-argument
+    kwargs = update_kwargs(rescale_grad, clip_gradient, beta1=beta1, beta2=beta2,
+                           epsilon=epsilon, bias_correction=bias_correction, **bounds)
     means = [s[0] for s in states]
     variances = [s[1] for s in states]
     # multi_mp_lamb_update takes gradients of the weights' dtype only: float32 gradients
@@ -195,9 +132,70 @@ def _multi_tensor_lamb(*, weights, grads, states, masters, lrs, wds, steps, rati
             nd.contrib.multi_mp_lamb_update(weights[part], grads[part], means[part],
                                             variances[part], masters[part], **common)
     if cast_down:
-        for w, w32 in zip(weights, masters):
-            nd.Cast(w32, dtype=w.dtype, out=w)
+        _cast_down(weights, masters)
 
 
-LAMBFamily.single_tensor = staticmethod(_single_tensor_lamb)
-LAMBFamily.multi_tensor = staticmethod(_multi_tensor_lamb)
+class LAMBFamily(FamilyBase):
+    """MXNet LAMB: state (mean, var), or (weight_fp32, (mean, var)) with master copies."""
+
+    name = 'LAMB'
+    supports_sparse = False
+    trust_in_kernel = True
+    native = staticmethod(_native_lamb)
+    single_tensor = staticmethod(_single_tensor_lamb)
+    multi_tensor = staticmethod(_multi_tensor_lamb)
+
+    def __init__(self, beta1: float, beta2: float, epsilon: float,
+                 lower_bound: Optional[float], upper_bound: Optional[float],
+                 bias_correction: bool) -> None:
+        self.hyper = dict(beta1=float(beta1), beta2=float(beta2), epsilon=float(epsilon),
+                          bias_correction=bool(bias_correction))
+        self.bounds: Dict[str, float] = {}
+        if lower_bound:
+            self.bounds['lower_bound'] = float(lower_bound)
+        if upper_bound:
+            self.bounds['upper_bound'] = float(upper_bound)
+
+    def make_state(self, weight: nd.NDArray, dtype: Any,
+                   master: Optional[nd.NDArray]) -> FamilyState:
+        stype = weight.stype
+        moments = (nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype),
+                   nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype))
+        return moments if master is None else (master, moments)
+
+    def split(self, base: FamilyState, with_master: bool) -> Optional[tuple]:
+        """((mean, var), master or None) of a LAMB state, or None when it does not fit."""
+        if not isinstance(base, tuple) or len(base) != 2:
+            return None
+        if with_master:
+            master, moments = base
+            if not isinstance(moments, tuple) or len(moments) != 2:
+                return None
+            return moments, master
+        if isinstance(base[1], tuple):
+            return None
+        return base, None
+
+    def describe(self) -> str:
+        return 'beta1=%g, beta2=%g' % (self.hyper['beta1'], self.hyper['beta2'])
+
+    def sparse_refusal(self, names: Sequence[str]) -> str:
+        return ('LAMB has no sparse update (neither has mx.optimizer.LAMB): parameter(s) %s '
+                'have row_sparse gradients or non-default storage. Use dense gradients '
+                "(Embedding(sparse_grad=False)), or 'lbsgd' for those parameters"
+                % ', '.join(map(repr, names)))
+
+    def run(self, kernel: Callable[..., None], *, states: List[Moments], steps: List[int],
+            ratio_applies: Optional[List[bool]], lr_vector: Optional[nd.NDArray],
+            **common: Any) -> None:
+        """Run `kernel`; tensors excluded from the trust ratio take the per-tensor path."""
+        groups: List[Tuple[Callable[..., None], List[int]]] = [
+            (kernel, list(range(len(states))))]
+        if kernel is _multi_tensor_lamb and ratio_applies is not None \
+                and not all(ratio_applies):
+            groups = [(_multi_tensor_lamb, [j for j, a in enumerate(ratio_applies) if a]),
+                      (_single_tensor_lamb, [j for j, a in enumerate(ratio_applies) if not a])]
+        lists = dict(common, states=states, steps=steps, ratio_applies=ratio_applies)
+        for path, pos in groups:
+            if pos:
+                path(bounds=self.bounds, **_pick(pos, lists), **self.hyper)

@@ -16,71 +16,26 @@ Per tensor, with ``lr`` either a float or an entry of a device vector (LARS)::
 kernel family is what an optimizer preset chooses; the shell's accumulation, warmup, trust
 ratio and loss-scale gate do not depend on it.
 """
-import numpy as np
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
 from mxnet import nd
 
 from .. import _kernels, _native
+from .base import (Arrays, FamilyBase, FamilyState, Floats, Masters, native_clip,
+                   update_kwargs)
+from .base import cast_down as _cast_down
 
 
-class SGDFamily:
-    """MXNet SGD: momentum (lr inside the buffer), weight decay added to the gradient."""
-
-    name = 'SGD'
-    supports_sparse = True
-    trust_in_kernel = False   # LARS: the shell's trust-ratio piece gives lr_vector
-    single_tensor = None      # set below: the module's kernels
-    multi_tensor = None
-
-    def __init__(self, momentum, lazy_update):
-        self.momentum = float(momentum)
-        self.lazy_update = bool(lazy_update)
-
-    def make_state(self, weight, dtype, master):
-        """MXNet SGD's state: mom, or (mom, weight_fp32); the momentum takes the weight's
-        storage type when lazy_update, as SGD's does."""
-        stype = weight.stype if self.lazy_update else 'default'
-        mom = (nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype)
-               if self.momentum != 0.0 else None)
-        return mom if master is None else (mom, master)
-
-    def split(self, base, with_master):
-        """(momentum or None, master or None) of an SGD state, or None when it does not fit."""
-        parts = base if isinstance(base, tuple) else (base,)
-        if len(parts) != 1 + with_master or (parts[0] is None) != (self.momentum == 0.0):
-            return None
-        return parts[0], parts[1] if with_master else None
-
-    def describe(self):
-        return 'momentum=%g' % self.momentum
-
-    @staticmethod
-    def native_kernel(device_type, dtype, with_master):
-        """`_native_sgd` for float32 weights, or float16 with fp32 master copies, on CPU
-        when the native library is built; None otherwise (MXNet's operators run)."""
-        name = np.dtype(dtype).name
-        supported = name == 'float32' and not with_master or name == 'float16' and with_master
-        if device_type != 'cpu' or not supported or _native.ops() is None:
-            return None
-        return _native_sgd
-
-    def run(self, kernel, *, states, steps, ratio_applies, **common):  # noqa: ARG002
-        """Run `kernel` (LARS reaches it as `lr_vector`; SGD has no step count)."""
-        kernel(moms=states, momentum=self.momentum, **common)
-
-    def run_sparse(self, *, states, lrs, **common):
-        _sparse_sgd(moms=states, lrs=lrs, momentum=self.momentum,
-                    lazy_update=self.lazy_update, **common)
+def _kernel_kwargs(momentum: float, rescale_grad: float,
+                   clip_gradient: Optional[float]) -> dict:
+    return update_kwargs(rescale_grad, clip_gradient,
+                         **({'momentum': momentum} if momentum > 0 else {}))
 
 
-def _kernel_kwargs(momentum, rescale_grad, clip_gradient):
-    kwargs = {'rescale_grad': rescale_grad,
-              'clip_gradient': clip_gradient if clip_gradient else -1.0}
-    if momentum > 0:
-        kwargs['momentum'] = momentum
-    return kwargs
-
-
-def _native_mp(weight, grad, master):
+def _native_mp(weight: nd.NDArray, grad: nd.NDArray,
+               master: Optional[nd.NDArray]) -> bool:
     """fp16 weight and gradient with an fp32 master copy on a GPU: the mp_* kernels.
     On CPU (no F16C) casting the gradient into an fp32 buffer and running the fp32 kernel
     on the master copy is 1.5x faster."""
@@ -88,8 +43,10 @@ def _native_mp(weight, grad, master):
         weight.context.device_type == 'gpu'
 
 
-def _single_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
-                       rescale_grad, clip_gradient, scratch):
+def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
+                       lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
+                       momentum: float, rescale_grad: float, clip_gradient: Optional[float],
+                       scratch: dict) -> None:
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
     wd_vector = None if lr_vector is None else _kernels.device_vector(wds, weights[0].context)
     for i, (w, g, m, w32) in enumerate(zip(weights, grads, moms, masters)):
@@ -111,8 +68,10 @@ def _single_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, mo
             nd.Cast(w32, dtype=w.dtype, out=w)
 
 
-def _native_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
-                rescale_grad, clip_gradient, scratch):  # pylint: disable=unused-argument
+def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
+                lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray], momentum: float,
+                rescale_grad: float, clip_gradient: Optional[float],
+                scratch: dict) -> None:  # pylint: disable=unused-argument
     """Every tensor in one call of the native ``mx_lbsgd_sgd_update``: one pass over
     memory, MXNet's arithmetic (``sgd_mom_update``, ``sgd_update``, and with LARS rates
     ``preloaded_multi_sgd_*``), float16 gradients widened on the fly (float16 weights with
@@ -126,19 +85,21 @@ def _native_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
         momentum=momentum if with_mom else 0.0, multi_precision=int(mp),
         preloaded=int(lr_vector is not None), lrs=_native.attribute_list(lrs),
         wds=_native.attribute_list(wds),
-        rescale_grad=rescale_grad, clip_gradient=clip_gradient if clip_gradient else -1.0)
+        rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient))
 
 
 
-def _preloaded(mp, with_mom):
+def _preloaded(mp: bool, with_mom: bool) -> Callable[..., Any]:
     return {(False, False): nd.preloaded_multi_sgd_update,
             (False, True): nd.preloaded_multi_sgd_mom_update,
             (True, False): nd.preloaded_multi_mp_sgd_update,
             (True, True): nd.preloaded_multi_mp_sgd_mom_update}[(mp, with_mom)]
 
 
-def _multi_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, momentum,
-                      rescale_grad, clip_gradient, scratch):  # pylint: disable=unused-argument
+def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
+                      lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
+                      momentum: float, rescale_grad: float, clip_gradient: Optional[float],
+                      scratch: dict) -> None:  # pylint: disable=unused-argument
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
     # fp16 gradients with master copies: the mp_* kernels (one scratch buffer cannot hold
     # the fp32 casts of a whole chunk)
@@ -167,13 +128,13 @@ def _multi_tensor_sgd(*, weights, grads, moms, masters, lrs, wds, lr_vector, mom
                 *tensors, lr_vector[start:end], wd_vector[start:end], out=targets[part],
                 num_weights=end - start, **kwargs)
     if cast_down:
-        for w, w32 in zip(weights, masters):
-            nd.Cast(w32, dtype=w.dtype, out=w)
+        _cast_down(weights, masters)
 
 
 
-def _sparse_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_grad,
-                clip_gradient, lazy_update):
+def _sparse_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
+                lrs: Floats, wds: Floats, momentum: float, rescale_grad: float,
+                clip_gradient: Optional[float], lazy_update: bool) -> None:
     """One tensor at a time with MXNet's sgd_update / sgd_mom_update and `lazy_update`,
     as mx.optimizer.SGD calls them for non-default storage: a row_sparse gradient updates
     only its rows when lazy (weight, momentum, weight decay), every row otherwise; csr or
@@ -196,5 +157,45 @@ def _sparse_sgd(*, weights, grads, moms, masters, lrs, wds, momentum, rescale_gr
             nd.Cast(w32, dtype=w.dtype, out=w)
 
 
-SGDFamily.single_tensor = staticmethod(_single_tensor_sgd)
-SGDFamily.multi_tensor = staticmethod(_multi_tensor_sgd)
+class SGDFamily(FamilyBase):
+    """MXNet SGD: momentum (lr inside the buffer), weight decay added to the gradient."""
+
+    name = 'SGD'
+    supports_sparse = True
+    trust_in_kernel = False   # LARS: the shell's trust-ratio piece gives lr_vector
+    native = staticmethod(_native_sgd)
+    single_tensor = staticmethod(_single_tensor_sgd)
+    multi_tensor = staticmethod(_multi_tensor_sgd)
+
+    def __init__(self, momentum: float, lazy_update: bool) -> None:
+        self.momentum = float(momentum)
+        self.lazy_update = bool(lazy_update)
+
+    def make_state(self, weight: nd.NDArray, dtype: Any,
+                   master: Optional[nd.NDArray]) -> FamilyState:
+        """MXNet SGD's state: mom, or (mom, weight_fp32); the momentum takes the weight's
+        storage type when lazy_update, as SGD's does."""
+        stype = weight.stype if self.lazy_update else 'default'
+        mom = (nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype)
+               if self.momentum != 0.0 else None)
+        return mom if master is None else (mom, master)
+
+    def split(self, base: FamilyState, with_master: bool) -> Optional[tuple]:
+        """(momentum or None, master or None) of an SGD state, or None when it does not fit."""
+        parts = base if isinstance(base, tuple) else (base,)
+        if len(parts) != 1 + with_master or (parts[0] is None) != (self.momentum == 0.0):
+            return None
+        return parts[0], parts[1] if with_master else None
+
+    def describe(self) -> str:
+        return 'momentum=%g' % self.momentum
+
+    def run(self, kernel: Callable[..., None], *, states: list, steps: list,  # noqa: ARG002
+            ratio_applies: Optional[list], **common: Any) -> None:
+        """Run `kernel` (LARS reaches it as `lr_vector`; SGD has no step count)."""
+        kernel(moms=states, momentum=self.momentum, **common)
+
+    def run_sparse(self, *, states: list, lrs: Floats, **common: Any) -> None:
+        _sparse_sgd(moms=states, lrs=lrs, momentum=self.momentum,
+                    lazy_update=self.lazy_update, **common)
+

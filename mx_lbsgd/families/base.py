@@ -1,0 +1,119 @@
+"""The kernel-family interface, and the helpers its families share.
+
+A kernel family is an optimizer's update rule with its state layout, on several kernel
+paths that take one keyword-only signature (as torch's ``optim/sgd.py`` kernels do):
+
+- ``native``: the package's compiled operator, every tensor of a group in one call (CPU,
+  float32 weights or float16 with float32 master copies, when the library is built);
+- ``single_tensor``: MXNet's operators one tensor at a time;
+- ``multi_tensor``: MXNet's multi-tensor operators (the GPU path);
+- ``run_sparse``: tensors with non-default storage, one by one (families that have it).
+
+The optimizer shell (`mx_lbsgd.pipeline`) picks the path per group of tensors and calls
+`KernelFamily.run`; accumulation, warmup, the trust ratio and the loss-scale gate do not
+depend on the family. Adding a family means writing a class that satisfies `KernelFamily`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union
+
+import numpy as np
+from mxnet import nd
+
+from .. import _native
+
+#: A kernel of a family: keyword-only arguments, lists of arrays per tensor; runs
+#: asynchronously on MXNet's engine and returns nothing.
+Kernel = Callable[..., None]
+#: A family's per-parameter state (arrays, tuples of arrays, or None), MXNet's layout.
+FamilyState = Any
+#: Per-tensor lists a kernel takes: arrays, optional arrays (master copies, momenta), floats.
+Arrays = List[nd.NDArray]
+Masters = List[Optional[nd.NDArray]]
+Floats = List[float]
+
+
+class KernelFamily(Protocol):
+    """What the optimizer shell needs of a kernel family."""
+
+    name: str                  # MXNet's optimizer of the same rule, for messages
+    supports_sparse: bool      # whether `run_sparse` exists
+    trust_in_kernel: bool      # True: the kernels compute the trust ratio (LAMB)
+    single_tensor: Kernel
+    multi_tensor: Kernel
+
+    def make_state(self, weight: nd.NDArray, dtype: Any,
+                   master: Optional[nd.NDArray]) -> FamilyState:
+        """A new state for `weight` in `dtype`, holding `master` (the fp32 copy) if any."""
+
+    def split(self, base: FamilyState,
+              with_master: bool) -> Optional[Tuple[FamilyState, Optional[nd.NDArray]]]:
+        """(the kernels' state, master copy or None), or None when `base` does not fit."""
+
+    def describe(self) -> str:
+        """The hyperparameters that decide the layout, for error messages."""
+
+    def native_kernel(self, device_type: str, dtype: Any,
+                      with_master: bool) -> Optional[Kernel]:
+        """The compiled kernel for such a group, or None (MXNet's operators run)."""
+
+    def sparse_refusal(self, names: Sequence[str]) -> str:
+        """The error message for parameters with sparse gradients (families without)."""
+
+    def run(self, kernel: Kernel, *, weights: List[nd.NDArray], grads: List[nd.NDArray],
+            states: List[FamilyState], masters: List[Optional[nd.NDArray]], lrs: List[float],
+            wds: List[float], lr_vector: Optional[nd.NDArray], rescale_grad: float,
+            clip_gradient: Optional[float], scratch: dict, steps: List[int],
+            ratio_applies: Optional[List[bool]]) -> None:
+        """Run `kernel` (one of this family's) on a group of tensors."""
+
+    def run_sparse(self, *, weights: List[nd.NDArray], grads: List[nd.NDArray],
+                   states: List[FamilyState], masters: List[Optional[nd.NDArray]],
+                   lrs: List[float], wds: List[float], rescale_grad: float,
+                   clip_gradient: Optional[float]) -> None:
+        """Update tensors with non-default storage one by one."""
+
+
+class FamilyBase:
+    """What the families share: the native-kernel choice and the sparse refusal."""
+
+    name = ''
+    supports_sparse = False
+    trust_in_kernel = False
+    #: the family's compiled kernel (set by the subclass), used when `native_kernel` allows
+    native: Optional[Kernel] = None
+
+    def native_kernel(self, device_type: str, dtype: Any,
+                      with_master: bool) -> Optional[Kernel]:
+        """The family's `native` kernel for float32 weights, or float16 with fp32 master
+        copies, on CPU when the native library is built; None otherwise."""
+        name = np.dtype(dtype).name
+        supported = name == 'float32' and not with_master or name == 'float16' and with_master
+        if device_type != 'cpu' or not supported or _native.ops() is None:
+            return None
+        return type(self).native
+
+    def sparse_refusal(self, names: Sequence[str]) -> str:
+        return ('%s has no sparse update: parameter(s) %s have row_sparse gradients or '
+                'non-default storage' % (self.name, ', '.join(map(repr, names))))
+
+
+def update_kwargs(rescale_grad: float, clip_gradient: Optional[float],
+                  **hyper: Union[float, bool]) -> dict:
+    """Keyword arguments of MXNet's update operators: `rescale_grad`, `clip_gradient` only
+    when it is set (MXNet's default, -1, means no clipping), and `hyper`."""
+    kwargs = dict(hyper, rescale_grad=rescale_grad)
+    if clip_gradient:
+        kwargs['clip_gradient'] = clip_gradient
+    return kwargs
+
+
+def native_clip(clip_gradient: Optional[float]) -> float:
+    """`clip_gradient` as the native operators take it (-1: no clipping)."""
+    return clip_gradient if clip_gradient else -1.0
+
+
+def cast_down(weights: Sequence[nd.NDArray], masters: Sequence[nd.NDArray]) -> None:
+    """Write each fp32 master copy into its fp16 weight."""
+    for w, w32 in zip(weights, masters):
+        nd.Cast(w32, dtype=w.dtype, out=w)
