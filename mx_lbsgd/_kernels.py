@@ -123,15 +123,16 @@ def lars_lrs(*, weights, grads, lrs, wds, keep_lr, eta, eps, rescale_grad, lars_
     return nd.where(keep, ratio, ones) * lr_vec
 
 
-def accumulate(*, accs, grads, first, factor, scratch, check_finite=False, fused=None):
-    """accs[i] = factor * grads[i] (first micro-batch of a window) or += factor * grads[i].
+def accumulate(*, accs, grads, first, rescale_grad, scratch, check_finite=False, fused=None):
+    """accs[i] = rescale_grad * grads[i] (first micro-batch of a window), else
+    accs[i] += rescale_grad * grads[i].
 
     Accumulators are float32 (or wider). On CPU with the native operators, one
     ``mx_lbsgd_accumulate`` call per context over every float32 accumulator (float16
     gradients widened on the fly, no host sync). Otherwise per tensor: a float16 gradient
     is cast through `scratch` (see `cast_into`), and ``sgd_update`` with lr=-1, wd=0 and
-    rescale_grad=factor is an in-place axpy, so scaling costs no extra pass. Both give the
-    same bits.
+    `rescale_grad` is an in-place axpy, so scaling costs no extra pass. Both give the same
+    bits.
 
     Returns None, or with `check_finite` ``finite_flag(grads, fused)`` (the same value): on
     CPU with the native operators the accumulate's own output, from the pass it makes
@@ -139,35 +140,36 @@ def accumulate(*, accs, grads, first, factor, scratch, check_finite=False, fused
     The accumulators are written whatever the flag says.
     """
     rest, flags = _native_window_call(accs, grads, check_finite, mode=0 if first else 1,
-                                      factor=factor)
+                                      factor=rescale_grad)
     flag = _rest_flag(grads, rest, flags, check_finite, fused)
     for j in rest:
         acc, grad = accs[j], grads[j]
         if first:
             if grad.dtype == acc.dtype:
-                _compat.mul_scalar(grad, scalar=factor, out=acc)
+                _compat.mul_scalar(grad, scalar=rescale_grad, out=acc)
             else:
                 nd.Cast(grad, dtype=acc.dtype, out=acc)
-                if factor != 1.0:
-                    _compat.mul_scalar(acc, scalar=factor, out=acc)
+                if rescale_grad != 1.0:
+                    _compat.mul_scalar(acc, scalar=rescale_grad, out=acc)
             continue
         if grad.dtype != acc.dtype:
             grad = cast_into(grad, acc.dtype, scratch)
-        nd.sgd_update(acc, grad, out=acc, lr=-1.0, wd=0.0, rescale_grad=factor)
+        nd.sgd_update(acc, grad, out=acc, lr=-1.0, wd=0.0, rescale_grad=rescale_grad)
     return flag
 
 
-def write_mean(*, grads, accs, factor, mean_factor, scratch, check_finite=False, fused=None):
-    """grads[i] = mean_factor * (accs[i] + factor * grads[i]) in the gradient's dtype: the
+def write_mean(*, grads, accs, rescale_grad, mean_factor, scratch, check_finite=False,
+               fused=None):
+    """grads[i] = mean_factor * (accs[i] + rescale_grad * grads[i]) in the gradient's dtype: the
     accumulated window written back into the gradient buffers, ready to be communicated
     once. One native call per context on CPU (as `accumulate`), else per tensor. With
     `check_finite`, returns the finite flag of the gradients as they were before (see
     `accumulate`), else None."""
     # one pass for a float32 gradient: sgd_update gives (1 - lr*wd) * grad - lr * acc,
-    # which with lr = -m and wd = (m*factor - 1)/m is m * (acc + factor * grad)
+    # which with lr = -m and wd = (m*rescale_grad - 1)/m is m * (acc + rescale_grad * grad)
     m = mean_factor
-    lr, wd = -m, (m * factor - 1.0) / m
-    rest, flags = _native_window_call(accs, grads, check_finite, mode=2, factor=factor,
+    lr, wd = -m, (m * rescale_grad - 1.0) / m
+    rest, flags = _native_window_call(accs, grads, check_finite, mode=2, factor=rescale_grad,
                                       lr=lr, wd=wd, mean_factor=mean_factor)
     # pushed before the per-tensor means overwrite the rest of the gradients
     flag = _rest_flag(grads, rest, flags, check_finite, fused)
@@ -176,7 +178,8 @@ def write_mean(*, grads, accs, factor, mean_factor, scratch, check_finite=False,
         if acc.dtype == grad.dtype:
             nd.sgd_update(grad, acc, out=grad, lr=lr, wd=wd, rescale_grad=1.0)
         else:
-            accumulate(accs=[acc], grads=[grad], first=False, factor=factor, scratch=scratch)
+            accumulate(accs=[acc], grads=[grad], first=False, rescale_grad=rescale_grad,
+                       scratch=scratch)
             _compat.mul_scalar(acc, scalar=mean_factor, out=acc)
             nd.Cast(acc, dtype=grad.dtype, out=grad)
     return flag
@@ -348,11 +351,11 @@ def sparse_lars_factor(*, weight, grad, wd, eta, eps, rescale_grad, lars_min, la
     return min(max(eta * wn / (gn + wd * wn + eps), lars_min), lars_max)
 
 
-def accumulate_sparse(*, acc, grad, first, factor):
-    """acc = factor * grad (first) or acc + factor * grad, for a row_sparse gradient: a
+def accumulate_sparse(*, acc, grad, first, rescale_grad):
+    """acc = rescale_grad * grad (first) or acc + rescale_grad * grad, for a row_sparse gradient: a
     row_sparse accumulator keeps the union of the rows (memory proportional to the rows
     touched); a dense one is updated on the gradient's rows only."""
-    scaled = grad * factor if factor != 1.0 else grad
+    scaled = grad * rescale_grad if rescale_grad != 1.0 else grad
     if scaled.dtype != acc.dtype:
         scaled = scaled.astype(acc.dtype)
     if acc.stype == 'row_sparse':

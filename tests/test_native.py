@@ -15,6 +15,8 @@ from mx_lbsgd import _native
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
 from reference import lamb_step
 
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
+
 OPS = _native.ops()
 needs_native = pytest.mark.skipif(OPS is None, reason='the native library is not built '
                                   '(no C++ compiler at install time) or MX_LBSGD_NATIVE=0')
@@ -155,6 +157,26 @@ def test_lamb_update_refuses_wrong_dtypes():
                         steps='1', applies='1', beta1=0.9, beta2=0.999, epsilon=1e-6,
                         bias_correction=1, rescale_grad=1.0, clip_gradient=-1,
                         lower_bound=-1, upper_bound=-1).wait_to_read()
+
+
+@needs_native
+@pytest.mark.parametrize('op', ['sgd_update', 'lamb_update'])
+def test_a_wrong_list_length_names_the_operator(op):
+    """The per-tensor lists (lrs, wds, ...) are parsed by one helper for every operator;
+    its error names the operator that called it."""
+    w = [nd.ones((4,))]
+    common = dict(num_tensors=1, multi_precision=0, lrs='0.1,0.2', wds='0', rescale_grad=1.0,
+                  clip_gradient=-1.0)
+    with pytest.raises(mx.MXNetError) as err:
+        if op == 'sgd_update':
+            OPS.sgd_update(*(w * 2), has_momentum=0, momentum=0.0, preloaded=0, **common)
+        else:
+            OPS.lamb_update(*(w * 4), steps='1', applies='1', beta1=0.9, beta2=0.999,
+                            epsilon=1e-6, bias_correction=1, lower_bound=-1, upper_bound=-1,
+                            **common)
+        mx.nd.waitall()
+    # (MXNet's message keeps those of earlier failed calls of the library's operators too)
+    assert 'mx_lbsgd_%s: lrs needs 1 values, got 2' % op in str(err.value)
 
 
 def _lamb_steps(fused, dtype='float32', mp=False, steps=3):
@@ -299,11 +321,11 @@ def _window_sequence(accs, grads_per_micro, factor, scratch):
     gradients (what `TrainerWindow` does); returns the arrays after each stage."""
     stages = []
     for k, grads in enumerate(grads_per_micro[:-1]):
-        mx_lbsgd._kernels.accumulate(accs=accs, grads=grads, first=k == 0, factor=factor,
+        mx_lbsgd._kernels.accumulate(accs=accs, grads=grads, first=k == 0, rescale_grad=factor,
                                      scratch=scratch)
         stages.append([a.asnumpy() for a in accs])
     last = grads_per_micro[-1]
-    mx_lbsgd._kernels.write_mean(grads=last, accs=accs, factor=factor,
+    mx_lbsgd._kernels.write_mean(grads=last, accs=accs, rescale_grad=factor,
                                  mean_factor=1.0 / (factor * len(grads_per_micro)),
                                  scratch=scratch)
     stages.append([g.asnumpy() for g in last])
@@ -506,11 +528,11 @@ def _window_with_flags(accs, micro, factor, fused):
     flags, stages = [], []
     for k, grads in enumerate(micro[:-1]):
         flags.append(mx_lbsgd._kernels.accumulate(
-            accs=accs, grads=grads, first=k == 0, factor=factor, scratch={},
+            accs=accs, grads=grads, first=k == 0, rescale_grad=factor, scratch={},
             check_finite=True, fused=fused))
         stages.append([a.asnumpy() for a in accs])
     flags.append(mx_lbsgd._kernels.write_mean(
-        grads=micro[-1], accs=accs, factor=factor, mean_factor=1.0 / (factor * len(micro)),
+        grads=micro[-1], accs=accs, rescale_grad=factor, mean_factor=1.0 / (factor * len(micro)),
         scratch={}, check_finite=True, fused=fused))
     stages.append([g.asnumpy() for g in micro[-1]])
     return [f.asnumpy().tolist() for f in flags], stages
@@ -546,11 +568,11 @@ def test_fused_window_flags_are_the_two_call_paths_bits(monkeypatch, dtypes):
     for k, grads in enumerate(micro):
         two_call_flags.append(mx_lbsgd._kernels.finite_flag(grads, None).asnumpy().tolist())
         if k < B - 1:
-            mx_lbsgd._kernels.accumulate(accs=accs, grads=grads, first=k == 0, factor=factor,
+            mx_lbsgd._kernels.accumulate(accs=accs, grads=grads, first=k == 0, rescale_grad=factor,
                                          scratch={})
             two_call.append([a.asnumpy() for a in accs])
         else:
-            mx_lbsgd._kernels.write_mean(grads=grads, accs=accs, factor=factor,
+            mx_lbsgd._kernels.write_mean(grads=grads, accs=accs, rescale_grad=factor,
                                          mean_factor=1.0 / (factor * B), scratch={})
             two_call.append([g.asnumpy() for g in grads])
     monkeypatch.setattr(_native, 'ops', lambda: None)     # MXNet's operators

@@ -7,11 +7,13 @@ import pytest
 import mxnet as mx
 
 from mx_lbsgd import schedules
-from mx_lbsgd.loss_scaling import SkipLedger
+from mx_lbsgd.pipeline.progress import SkipLedger
 from mx_lbsgd.pipeline.trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
 from mx_lbsgd.pipeline.warmup import Warmup
 from mx_lbsgd.pipeline.window import InOptimizerWindow, TrainerWindow
 from reference import lars_factor, warmup_multiplier
+
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
 
 
 @pytest.mark.parametrize('shape', list(schedules.WARMUP_SHAPES))
@@ -77,7 +79,7 @@ def test_window_in_the_optimizer_sums_then_releases(B):
         grads = [rng.uniform(-1, 1, a.shape) for a in accs]
         r = 0.5 + k
         out = window.add(accs=accs, grads=[mx.nd.array(g) for g in grads], positions=[k, k],
-                         factor=r, sparse=[], scratch={})
+                         rescale_grad=r, sparse=[], scratch={})
         total = [t + r * g for t, g in zip(total, grads)]
         if k % B:
             assert out is None
@@ -93,7 +95,7 @@ def test_window_in_the_optimizer_refuses_mixed_positions():
     window = InOptimizerWindow(2)
     with pytest.raises(RuntimeError, match='different positions'):
         window.add(accs=[mx.nd.zeros((1,))] * 2, grads=[mx.nd.ones((1,))] * 2,
-                   positions=[1, 2], factor=1.0, sparse=[], scratch={})
+                   positions=[1, 2], rescale_grad=1.0, sparse=[], scratch={})
 
 
 @pytest.mark.parametrize('B', [2, 3])
@@ -106,7 +108,7 @@ def test_window_at_a_trainer_writes_the_mean_in_units_of_the_last_rescale(B):
         g = rng.uniform(-1, 1, (4,))
         grads = [mx.nd.array(g)]
         r = 0.25 * k
-        closes = window.add(accs=accs, grads=grads, factor=r, size=B, position=k - 1)
+        closes = window.add(accs=accs, grads=grads, rescale_grad=r, size=B, position=k - 1)
         total += r * g
         assert closes is (k == B)
         assert window.position == k % B

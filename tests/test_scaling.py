@@ -9,6 +9,8 @@ import pytest
 from mx_lbsgd import DynamicLossScaler
 from mx_lbsgd.loss_scaling import StepGate as _StepGate, decide
 
+pytestmark = [pytest.mark.unit, pytest.mark.fallback, pytest.mark.pipeline]
+
 
 class _Handle:
     def __init__(self, value):
@@ -129,7 +131,7 @@ def test_gate_keeps_the_scale_of_the_decided_step():
     scaler = DynamicLossScaler(init_scale=4.0, growth_interval=1)
     gate.new_step([FakeGrad('a')])
     gate.submit([('c0', 0)], [FakeGrad('a')], 'x', scaler, scaler.scale)
-    assert scaler.scale == 8.0 and gate.scale == 4.0     # grew after the decision
+    assert scaler.scale == 8.0 and gate.loss_scale == 4.0     # grew after the decision
 
 
 @pytest.mark.parametrize('enabled, finite, applied, steps', [

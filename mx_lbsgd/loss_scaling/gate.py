@@ -57,38 +57,6 @@ def _handle(array):
     return _compat.buffer_id(array)
 
 
-class SkipLedger:
-    """The accounting of skipped steps, with its explicit state (pickled with the
-    optimizer, restored from checkpoints)::
-
-        on a skipped step of `window` micro-batches (B for a window reduced at a Trainer,
-        else 1): num_update -= window - 1         # its micro-batches were counted as they came
-            if count_skipped_steps: skipped_updates += window; num_update += window
-        after each counted micro-batch: num_update >= top count + skipped_updates
-
-    ``last_step_skipped`` says whether the last step was skipped.
-    """
-
-    def __init__(self, count_skipped_steps=False):
-        self.count_skipped_steps = bool(count_skipped_steps)
-        self.skipped_updates = 0
-        self.last_step_skipped = False
-
-    def skipped(self, num_update, window):
-        """num_update after a skipped step of `window` micro-batches."""
-        num_update -= window - 1
-        if self.count_skipped_steps:
-            self.skipped_updates += window
-            num_update += window
-        return num_update
-
-    def counted(self, num_update, top):
-        """num_update after micro-batches were counted up to `top`."""
-        if self.skipped_updates:
-            return max(num_update, top + self.skipped_updates)
-        return num_update
-
-
 class StepGate:
     """Step-level all-or-nothing decisions for an optimizer (see the module docstring).
 
@@ -109,7 +77,7 @@ class StepGate:
         self._fresh = None        # every gradient of the step (Gluon), from new_step()
         self.skip = None          # None: this step is not decided yet
         self._reported = False    # whether a skipped step was handed to `take_skip`
-        self.scale = 1.0          # the loss scale the decided step's gradients carry
+        self.loss_scale = 1.0     # the loss scale the decided step's gradients carry
         self._decision = None     # (skip, checked gradients, calls) until `take_decision`
 
     def created(self, key):
@@ -124,7 +92,7 @@ class StepGate:
     def submit(self, keys, grads, call, scaler, scale):
         """Returns the calls to run now as (call, apply) pairs, in submission order.
         `scaler` is updated once per step, when the step is decided; `scale` (what the
-        gradients carry) is kept in ``self.scale`` then."""
+        gradients carry) is kept in ``self.loss_scale`` then."""
         runs = []
         if self._boundary or any(k in self._delivered for k in keys):
             fresh = self._fresh if self._boundary else None
@@ -137,7 +105,7 @@ class StepGate:
                 self._awaiting or not self._expected <= self._delivered):
             return runs
         if self.skip is None:
-            self.scale = scale
+            self.loss_scale = scale
         return runs + self._release(scaler)
 
     def take_skip(self):

@@ -193,18 +193,12 @@ class LossScaling(overflow.OverflowViews):
         return applied
 
     def _workers(self):
-        trainer = self.trainers[0]
-        return _compat.trainer_rank(trainer), _compat.trainer_worker_count(trainer, 1)
+        return overflow.step_worker(self.trainers[0])
 
     def _report(self, scale):
         named = [(p.name, _compat.legacy(g)) for p in self._params() for g in p.list_grad()]
-        opt = self.trainers[0].optimizer
         # an mx_lbsgd optimizer accumulating after the reduction: each micro-batch is a step
-        micro_batch = (opt.window_position + 1
-                       if getattr(opt, 'batch_scale', 1) > 1 and hasattr(opt, 'window_position')
-                       else None)
-        rank, workers = self._workers()
-        self._overflow.skipped(
-            scaler=self.scaler, scale=scale, named_grads=named, micro_batch=micro_batch,
-            local_flags=None if self._local_flag is None else {0: self._local_flag},
-            rank=rank, num_workers=workers)
+        self._overflow.report_skip(
+            scaler=self.scaler, scale=scale, named_grads=named,
+            optimizer=self.trainers[0].optimizer, trainer=self.trainers[0],
+            local_flags=None if self._local_flag is None else {0: self._local_flag})

@@ -21,11 +21,13 @@ import logging
 import time
 import types
 import warnings
-from typing import Mapping, Optional
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import mxnet as mx
 from mxnet import nd
+
+from .. import _compat
 
 _log = logging.getLogger('mx_lbsgd')
 
@@ -252,6 +254,24 @@ class OverflowMonitor:
         if alert:
             self._warn(alert)
 
+    def report_skip(self, *, scaler: Any, scale: float,
+                    named_grads: List[Tuple[str, nd.NDArray]], optimizer: Any = None,
+                    trainer: Any = None, fallback_worker: Optional[Tuple[Any, int]] = None,
+                    at_trainer: bool = False,
+                    local_flags: Optional[Mapping[int, nd.NDArray]] = None) -> None:
+        """Keep the report of a skipped step as the optimizers and the Trainer hook make it:
+        the micro-batch when `optimizer` accumulates its window itself (not `at_trainer`),
+        and the rank and worker count of `trainer`'s reduction (else `fallback_worker`, or
+        Horovod's)."""
+        rank, workers = step_worker(trainer, fallback_worker)
+        batch_scale = getattr(optimizer, 'batch_scale', 1)
+        micro_batch = None
+        if batch_scale > 1 and not at_trainer and hasattr(optimizer, 'window_position'):
+            micro_batch = optimizer.window_position + 1
+        self.skipped(scaler=scaler, scale=scale, named_grads=named_grads,
+                     micro_batch=micro_batch, local_flags=local_flags, rank=rank,
+                     num_workers=workers, window=batch_scale if at_trainer else 0)
+
     def _settle(self, n):
         for _ in range(max(n, 0)):
             self._tally.update(self._untallied.popleft().report().parameters.keys())
@@ -281,3 +301,32 @@ class OverflowMonitor:
                    % (alert, named))
         _log.warning(message)
         warnings.warn(LossScaleFallingWarning(message, top), stacklevel=4)
+
+
+def step_worker(trainer: Any = None,
+                fallback: Optional[Tuple[Any, int]] = None) -> Tuple[Any, int]:
+    """(rank or None, number of workers) of a step's reduction: `trainer`'s, else
+    `fallback` (Module's kvstore), else Horovod's, else one worker."""
+    if trainer is not None:
+        return _compat.trainer_rank(trainer), _compat.trainer_worker_count(trainer, 1)
+    return fallback or _compat.horovod_worker() or (None, 1)
+
+
+def name_gradients(grads: Sequence[nd.NDArray], calls: Iterable[Tuple[Any, Any, Any, Any]],
+                   name_of: Callable[[Any], Optional[str]],
+                   param_dict: Mapping[Any, Any]) -> List[Tuple[str, nd.NDArray]]:
+    """[(parameter name, gradient)] for an optimizer's checked gradients: names from the
+    Updater calls' indices (`name_of`: Gluon's param_dict, Module's idx2name), then from
+    every gradient copy of `param_dict`'s Parameters, else ``#k``."""
+    names = {}
+    for index, _, call_grads, _ in calls:
+        for i, g in zip(index, call_grads):
+            names[_compat.buffer_id(g)] = name_of(i) or str(i)
+    for param in param_dict.values():
+        try:
+            copies = param.list_grad()
+        except (RuntimeError, mx.MXNetError):      # grad_req='null', not initialized
+            continue
+        for g in copies:
+            names[_compat.buffer_id(_compat.legacy(g))] = param.name
+    return [(names.get(_compat.buffer_id(g), '#%d' % k), g) for k, g in enumerate(grads)]

@@ -95,7 +95,7 @@ class TrainerBinding:
         position = opt.window_position
         check = opt.wants_local_flags(trainer, window=True)
         # the flag comes out of the window's own pass (one native call per device on CPU)
-        self._closes = self.window.add(accs=accs, grads=grads, factor=opt.rescale_grad,
+        self._closes = self.window.add(accs=accs, grads=grads, rescale_grad=opt.rescale_grad,
                                        size=opt.batch_scale, position=position,
                                        check_finite=check, fused=opt.fused)
         if check:

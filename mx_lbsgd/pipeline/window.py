@@ -38,7 +38,7 @@ class InOptimizerWindow:
     def __init__(self, size):
         self.size = size
 
-    def add(self, *, accs, grads, positions, factor, sparse, scratch):
+    def add(self, *, accs, grads, positions, rescale_grad, sparse, scratch):
         """Add one micro-batch (per-parameter `positions`: 1-based counts) to `accs`.
 
         Returns None while the window is open, else the gradients to update with (the
@@ -47,14 +47,14 @@ class InOptimizerWindow:
         size = self.size
         for j in sparse:
             _kernels.accumulate_sparse(acc=accs[j], grad=grads[j],
-                                       first=positions[j] % size == 1, factor=factor)
+                                       first=positions[j] % size == 1, rescale_grad=rescale_grad)
         dense = [j for j in range(len(grads)) if j not in sparse]
         for first in (True, False):
             pick = [j for j in dense if (positions[j] % size == 1) == first]
             if pick:
                 _kernels.accumulate(accs=[accs[j] for j in pick],
                                     grads=[grads[j] for j in pick], first=first,
-                                    factor=factor, scratch=scratch)
+                                    rescale_grad=rescale_grad, scratch=scratch)
         if any(k % size for k in positions):
             if not all(k % size for k in positions):
                 raise RuntimeError('parameters of one call are at different positions of the '
@@ -82,7 +82,7 @@ class TrainerWindow:
         self.flag = None          # the last `add`'s finite flag (check_finite), else None
         self._scratch = {}
 
-    def add(self, *, accs, grads, factor, size, position, check_finite=False, fused=None):
+    def add(self, *, accs, grads, rescale_grad, size, position, check_finite=False, fused=None):
         """Take micro-batch `position + 1`. Returns True when it closes the window: the
         window's mean is then in `grads`, ready to be reduced; otherwise it was summed into
         `accs`. With `check_finite`, ``self.flag`` is then ``_kernels.finite_flag(grads,
@@ -90,12 +90,12 @@ class TrainerWindow:
         position += 1
         if position < size:
             self.flag = _kernels.accumulate(accs=accs, grads=grads, first=position == 1,
-                                            factor=factor, scratch=self._scratch,
+                                            rescale_grad=rescale_grad, scratch=self._scratch,
                                             check_finite=check_finite, fused=fused)
             self.position = position
             return False
-        self.flag = _kernels.write_mean(grads=grads, accs=accs, factor=factor,
-                                        mean_factor=1.0 / (factor * size),
+        self.flag = _kernels.write_mean(grads=grads, accs=accs, rescale_grad=rescale_grad,
+                                        mean_factor=1.0 / (rescale_grad * size),
                                         scratch=self._scratch, check_finite=check_finite,
                                         fused=fused)
         self.position = 0

@@ -1,0 +1,149 @@
+"""The plan of one Updater call: what the update does with a group of tensors, computed once
+per call signature (device and parameter indices) and kept while the Updater's state objects
+stay the same; `run_plan` runs it.
+
+A plan holds the split states, the master copies and accumulators, which tensors go one by
+one through the family's sparse kernel, the trust-ratio exclusions, and the kernel routes:
+each dense (dtype, master copy) group goes to the family's compiled kernel when it takes
+the group, else to its per-tensor and multi-tensor kernels by tensor size
+(`mx_lbsgd._kernels.route`, or as ``fused`` forces).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from mxnet import nd
+
+from .. import _kernels
+from ..families.base import Kernel, KernelFamily, Masters
+from .state import StateParts
+from .trust_ratio import TrustRatio
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One kernel call per step: the tensors at `positions` of the call, with what stays the
+    same from step to step."""
+
+    kernel: Kernel
+    positions: List[int]
+    states: List[Any]
+    masters: Masters
+    keep_lr: Optional[List[bool]]          # True: the layer keeps lr (no trust ratio)
+    ratio_applies: Optional[List[bool]]    # not keep_lr, for families with the ratio inside
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What an Updater call signature's update does (see the module docstring)."""
+
+    state: List[Any]                  # the Updater's state objects this plan was made for
+    states: List[Any]                 # the family's state per tensor
+    masters: Masters                  # fp32 master copies (None: the weight is updated)
+    accs: List[Optional[nd.NDArray]]  # accumulators (batch_scale > 1), else None
+    sparse: List[int]                 # positions run one by one by the sparse kernel
+    keep_lr: Optional[List[bool]]     # trust-ratio exclusions (None: no trust ratio)
+    lars: bool                        # whether the shell computes a trust-ratio lr vector
+    routes: List[Route]
+
+    def fits(self, state: Sequence[Any]) -> bool:
+        """Whether the Updater still holds the state objects this plan was made for."""
+        return all(a is b for a, b in zip(self.state, state))
+
+
+def make_plan(*, family: KernelFamily, trust: Optional[TrustRatio], fused: Optional[bool],
+              names: List[Optional[str]], labels: List[Any], weight: Sequence[nd.NDArray],
+              grad: Sequence[nd.NDArray], state: Sequence[Any],
+              parts: List[StateParts]) -> Plan:
+    """The plan of one call. `names`: parameter names (None when unknown); `labels`: what
+    an error message calls each parameter."""
+    sparse = [j for j, (w, g) in enumerate(zip(weight, grad))
+              if w.stype != 'default' or g.stype != 'default']
+    if sparse and not family.supports_sparse:
+        raise ValueError(family.sparse_refusal([labels[j] for j in sparse]))
+    masters = [p.master for p in parts]
+    keep = None if trust is None else [not trust.applies(n) for n in names]
+    routes = [_route(kernel, pos, parts, keep)
+              for kernel, pos in _kernel_groups(family, fused, weight, masters, sparse) if pos]
+    return Plan(state=list(state), states=[p.family_state for p in parts], masters=masters,
+                accs=[p.accumulator for p in parts], sparse=sparse, keep_lr=keep,
+                # the trust ratio as the shell's lr vector (LARS), unless every layer is
+                # excluded or the family's kernels hold the ratio (LAMB)
+                lars=keep is not None and not all(keep) and not family.trust_in_kernel,
+                routes=routes)
+
+
+def _kernel_groups(family: KernelFamily, fused: Optional[bool],
+                   weight: Sequence[nd.NDArray], masters: Masters,
+                   sparse: List[int]) -> List[Tuple[Kernel, List[int]]]:
+    """(kernel, positions) for the dense tensors, by (dtype, master copy) group."""
+    groups: Dict[Tuple[Any, bool], List[int]] = {}
+    for j in range(len(weight)):
+        if j not in sparse:
+            groups.setdefault((weight[j].dtype, masters[j] is None), []).append(j)
+    device_type = weight[0].context.device_type
+    out: List[Tuple[Kernel, List[int]]] = []
+    for (dtype, no_master), members in groups.items():
+        native = (None if fused is not None
+                  else family.native_kernel(device_type, dtype, not no_master))
+        if native is not None:      # the family's compiled kernel takes the whole group
+            out.append((native, members))
+            continue
+        single, multi = _kernels.route([weight[j].size for j in members], device_type,
+                                       fused, dtype)
+        out += [(family.single_tensor, [members[p] for p in single]),
+                (family.multi_tensor, [members[p] for p in multi])]
+    return out
+
+
+def _route(kernel: Kernel, pos: List[int], parts: List[StateParts],
+           keep: Optional[List[bool]]) -> Route:
+    return Route(kernel=kernel, positions=pos, states=[parts[j].family_state for j in pos],
+                 masters=[parts[j].master for j in pos],
+                 keep_lr=None if keep is None else [keep[j] for j in pos],
+                 ratio_applies=None if keep is None else [not keep[j] for j in pos])
+
+
+def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
+             weight: Sequence[nd.NDArray], grad: Sequence[nd.NDArray], lrs: List[float],
+             wds: List[float], steps: List[int], rescale_grad: float,
+             clip_gradient: Optional[float], scratch: dict) -> None:
+    """Run every route of `plan` (and the sparse tensors one by one), with the trust ratio
+    as an lr vector on the device when the plan says so (`Plan.lars`)."""
+    for route in plan.routes:
+        pos = route.positions
+        weights, grads = [weight[j] for j in pos], [grad[j] for j in pos]
+        route_lrs, route_wds = [lrs[j] for j in pos], [wds[j] for j in pos]
+        lr_vector = None
+        if plan.lars:
+            lr_vector = trust.lr_vector(
+                weights=[m if m is not None else w for w, m in zip(weights, route.masters)],
+                grads=grads, lrs=route_lrs, wds=route_wds, keep_lr=route.keep_lr,
+                rescale_grad=rescale_grad)
+        family.run(route.kernel, weights=weights, grads=grads, states=route.states,
+                   masters=route.masters, lrs=route_lrs, wds=route_wds, lr_vector=lr_vector,
+                   rescale_grad=rescale_grad, clip_gradient=clip_gradient, scratch=scratch,
+                   steps=[steps[j] for j in pos], ratio_applies=route.ratio_applies)
+    if plan.sparse:
+        _run_sparse(plan, family, trust if plan.lars else None, weight, grad, lrs, wds,
+                    rescale_grad, clip_gradient)
+
+
+def _run_sparse(plan: Plan, family: KernelFamily, trust: Optional[TrustRatio],
+                weight: Sequence[nd.NDArray], grad: Sequence[nd.NDArray], lrs: List[float],
+                wds: List[float], rescale_grad: float, clip_gradient: Optional[float]) -> None:
+    pos = plan.sparse
+    sparse_lrs = [lrs[j] for j in pos]
+    if trust is not None:
+        for n, j in enumerate(pos):
+            if not plan.keep_lr[j] and grad[j].stype == 'row_sparse':
+                master = plan.masters[j]
+                sparse_lrs[n] *= trust.sparse_factor(
+                    weight=master if master is not None else weight[j], grad=grad[j],
+                    wd=wds[j], rescale_grad=rescale_grad)
+    family.run_sparse(weights=[weight[j] for j in pos], grads=[grad[j] for j in pos],
+                      states=[plan.states[j] for j in pos],
+                      masters=[plan.masters[j] for j in pos], lrs=sparse_lrs,
+                      wds=[wds[j] for j in pos], rescale_grad=rescale_grad,
+                      clip_gradient=clip_gradient)

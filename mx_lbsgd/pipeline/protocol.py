@@ -1,0 +1,94 @@
+"""The optimizer's side of the step protocol with a gluon Trainer (`binding` drives it).
+
+MXNet's Updater calls an optimizer per device and per dtype group, and nothing tells it
+where a step starts. Under a Trainer, `binding` says so before the Updater runs
+(`begin_step`, with every fresh gradient of the step, whether the Trainer closes an
+accumulation window, and a device-side finite flag per micro-batch when asked); the
+optimizer answers what the Trainer should do for it (`wants_*`, `accumulates_at_trainer`).
+A `LossScaling` hook that skips a step accounts it here (`step_outside`).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional, Sequence
+
+import mxnet as mx
+
+from .. import _compat
+from ..loss_scaling import gate as _scaling
+from . import binding as _binding
+
+
+class StepProtocol:
+    """Mixed into `PipelineOptimizer`: ``_ledger``, ``_gate``, ``loss_scaler`` and
+    ``batch_scale`` are the shell's."""
+
+    _ledger: Any
+    _gate: Any
+    loss_scaler: Any
+    batch_scale: int
+    check_local_overflow: bool
+    num_update: int
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped (an overflow with loss scaling)."""
+        return self._ledger.last_step_skipped
+
+    @property
+    def rescale_grad(self) -> float:
+        return self._rescale_grad
+
+    @rescale_grad.setter
+    def rescale_grad(self, value: float) -> None:
+        self._rescale_grad = value
+        # gluon.Trainer.step/update set rescale_grad before they reduce or update: the one
+        # moment MXNet gives an optimizer to learn its Trainer. Binding is idempotent.
+        trainer = _compat.trainer_assigning_rescale_grad(self)
+        if trainer is not None:
+            _binding.bind(trainer)
+
+    def begin_step(self, gradients: Sequence[mx.nd.NDArray],
+                   closes_window: Optional[bool] = None, trainer: Any = None,
+                   local_flags: Optional[Dict[int, mx.nd.NDArray]] = None) -> None:
+        """A Trainer step starts. `gradients`: every fresh gradient of the step, on every
+        device (the loss-scale gate decides over them at once). `closes_window`: None when
+        this optimizer accumulates itself; False when the Trainer summed this micro-batch
+        locally (count it, apply nothing); True when the Trainer reduced the window's
+        mean (apply it as one step). `trainer`: whose rank a report names. `local_flags`:
+        {micro-batch (0: the step): device-side finite flag taken before the reduction}."""
+        self._step_window = closes_window
+        self._step_trainer = None if trainer is None else weakref.ref(trainer)
+        self._local_flags = local_flags
+        if self.loss_scaler is not None:
+            self._gate.new_step(gradients)
+
+    def step_outside(self, applied: bool) -> None:
+        """A `LossScaling` hook decided a step of its own (this optimizer has no
+        loss_scaler): a skipped step never reaches the optimizer, so it is accounted here as
+        the optimizer's own gate accounts one of its micro-batches (``last_step_skipped``;
+        with ``count_skipped_steps`` it advances ``num_update``, so an ``lr_scheduler``)."""
+        self._ledger.last_step_skipped = not applied
+        if not applied:
+            self.num_update = self._ledger.skipped(self.num_update, 1)
+
+    def wants_local_flags(self, trainer: Any, window: bool) -> bool:
+        """Whether the Trainer should keep a device-side finite flag of this worker's
+        gradients before reducing them: per micro-batch of a window at the Trainer (to name
+        the micro-batch), per step with ``check_local_overflow`` on a distributed job."""
+        if self.loss_scaler is None or not self.loss_scaler.enabled:
+            return False
+        return window or (self.check_local_overflow
+                          and _compat.trainer_worker_count(trainer, 2) > 1)
+
+    def wants_step_gradients(self) -> bool:
+        """Whether `begin_step` needs the step's gradients (listing them costs a pass)."""
+        return self.loss_scaler is not None
+
+    def accumulates_at_trainer(self) -> bool:
+        """Whether a Trainer should keep this optimizer's window at its reduction."""
+        return self.batch_scale > 1
+
+    def refuse_updates_on_kvstore(self) -> None:
+        if self.loss_scaler is not None:
+            _scaling.refuse_kvstore_updates(type(self).__name__)
