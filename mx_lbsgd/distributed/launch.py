@@ -66,6 +66,8 @@ end.) Whenever the launcher steps in (failure, timeout, signal, stuck processes)
 with one line, ``[launch] exit status: scheduler: exit 0, server 0: ..., worker 0: exit 0,
 ...``, saying how every process ended; ``launch(report={})`` gives the same as a dict.
 """
+from __future__ import annotations
+
 import argparse
 import ctypes
 import functools
@@ -79,6 +81,11 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO, Any, Callable, Dict, Iterable, List, Mapping, NoReturn, Sequence, TextIO
+
+#: A process of the job: ``[label, subprocess.Popen]`` (the label changes when a worker learns
+#: its kvstore rank), or a ``(label, Popen)`` pair.
+_Entry = Sequence[Any]
 
 _GRACE = 3.0          # seconds between SIGTERM and SIGKILL
 _LINGER = 5.0         # seconds servers/scheduler get to exit after the workers succeed
@@ -110,7 +117,7 @@ server.run()
 """
 
 
-_SIGNAL_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+_SIGNAL_STATUS: Dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # ps-lite's informational lines (dmlc's LOG(INFO) format: '[hh:mm:ss] path/van.cc:N: ...')
 _PS_LITE_INFO = re.compile(r'^\[\d\d:\d\d:\d\d\] \S*(?:van\.cc|zmq_van\.h):\d+: '
                            r'(?:Bind to |[HSW]\[\d+\] is (?:connected to others|stopping|'
@@ -120,7 +127,7 @@ _WORKER_CONNECTED = re.compile(r': W\[(\d+)\] is connected to others$')
 _PR_SET_PDEATHSIG = 1
 
 
-def _libc_prctl():
+def _libc_prctl() -> Callable[..., int] | None:
     try:
         return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):    # not Linux
@@ -130,16 +137,16 @@ def _libc_prctl():
 _PRCTL = _libc_prctl()
 
 
-def _die_with(parent):
+def _die_with(parent: int, prctl: Callable[..., int]) -> None:
     """In a new node, before exec: SIGKILL when the launcher's thread that started it ends,
     so that no node outlives a launcher killed by SIGKILL (start_new_session puts each
-    node out of the launcher's process group and terminal)."""
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    node out of the launcher's process group and terminal). `prctl`: libc's (`_PRCTL`)."""
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:        # the launcher died before the prctl
         os._exit(1)
 
 
-def _bindable(port):
+def _bindable(port: int) -> bool:
     """Whether ``port`` can be bound on every address (as ZeroMQ binds: SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -150,13 +157,13 @@ def _bindable(port):
     return True
 
 
-def _check_port(port):
+def _check_port(port: int) -> None:
     """Raise ValueError unless ``port`` can be bound."""
     if not _bindable(port):
         raise ValueError(f'port {port} is already in use')
 
 
-def _ephemeral_range():
+def _ephemeral_range() -> tuple[int, int]:
     try:
         with open(_PORT_RANGE_FILE) as f:
             low, high = map(int, f.read().split())
@@ -165,14 +172,14 @@ def _ephemeral_range():
     return low, high
 
 
-def _scheduler_ports():
+def _scheduler_ports() -> list[int]:
     """Ports the scheduler may get: outside the kernel's ephemeral range (``bind(0)`` and
     outgoing connections take theirs there) and outside ps-lite's bind retries."""
     low, high = _ephemeral_range()
     return [p for p in range(1024, 65536) if not low <= p <= high and p not in _PS_LITE_RETRY]
 
 
-def _choose_port(tried=()):
+def _choose_port(tried: Sequence[int] = ()) -> int:
     """A random bindable port from ``_scheduler_ports()``, not one of ``tried``."""
     ports = [p for p in _scheduler_ports() if p not in tried]
     for port in random.SystemRandom().sample(ports, min(len(ports), 64)):
@@ -183,7 +190,7 @@ def _choose_port(tried=()):
                      f'({_PORT_RANGE_FILE}) and 10000-49999; give one with port (--port)')
 
 
-def _job_host():
+def _job_host() -> str:
     """A random loopback address 127.a.b.c for one job; 127.0.0.1 if it cannot be bound."""
     rng = random.SystemRandom()
     host = f'127.{rng.randrange(1, 255)}.{rng.randrange(256)}.{rng.randrange(1, 255)}'
@@ -195,7 +202,7 @@ def _job_host():
     return host
 
 
-def _address(hexaddr):
+def _address(hexaddr: str) -> str:
     """The address in /proc/net/tcp{,6} notation (32-bit words in host order) as text."""
     raw = b''.join(struct.pack('=I', int(hexaddr[i:i + 8], 16))
                    for i in range(0, len(hexaddr), 8))
@@ -204,7 +211,7 @@ def _address(hexaddr):
     return socket.inet_ntoa(raw) if len(raw) == 4 else socket.inet_ntop(socket.AF_INET6, raw)
 
 
-def _listeners(port):
+def _listeners(port: int) -> list[tuple[str, int]]:
     """``[(address, socket inode)]`` of the TCP sockets listening on ``port``."""
     found = []
     for name in ('/proc/net/tcp', '/proc/net/tcp6'):
@@ -220,8 +227,8 @@ def _listeners(port):
     return found
 
 
-def _socket_inodes(pid):
-    inodes = set()
+def _socket_inodes(pid: int | str) -> set[int]:
+    inodes: set[int] = set()
     try:
         fds = os.listdir(f'/proc/{pid}/fd')
     except OSError:
@@ -236,7 +243,7 @@ def _socket_inodes(pid):
     return inodes
 
 
-def _holder(inode):
+def _holder(inode: int) -> str:
     """'pid N: command line' of a process that holds socket ``inode``."""
     for name in os.listdir('/proc'):
         if name.isdigit() and inode in _socket_inodes(name):
@@ -250,13 +257,14 @@ def _holder(inode):
     return 'a process of another user'
 
 
-def _blocking_listeners(host, port):
+def _blocking_listeners(host: str, port: int) -> list[int]:
     """Inodes of the sockets listening where a bind to host:port would collide."""
     return [inode for address, inode in _listeners(port)
             if address in (host, '0.0.0.0', '::')]
 
 
-def _await_listening(proc, host, port, deadline, caught):
+def _await_listening(proc: subprocess.Popen[bytes], host: str, port: int,
+                     deadline: float | None, caught: Sequence[int]) -> tuple[Any, ...] | None:
     """Poll until process ``proc`` listens on host:port: None then, else why not:
     ``('taken', inode)``, ``('exited', code)``, ``('signal', signum)``, ``('timeout',)``
     or ``('limit',)``."""
@@ -284,27 +292,29 @@ def _await_listening(proc, host, port, deadline, caught):
 class _Gate:
     """Holds a process's output back until it is shown (``open``) or dropped (``drop``)."""
 
-    def __init__(self):
-        self.lines, self.state = [], 'hold'
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.state = 'hold'
 
-    def open(self, stream, lock):
+    def open(self, stream: TextIO, lock: threading.Lock) -> None:
         with lock:
             for line in self.lines:
                 stream.write(line)
             stream.flush()
             self.state = 'open'
 
-    def drop(self, lock):
+    def drop(self, lock: threading.Lock) -> None:
         with lock:
             self.state = 'drop'
 
 
-def _status(returncode):
+def _status(returncode: int) -> int:
     """Shell-style exit status: 128 + N for death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _pump(pipe, entry, stream, lock, gate=None, watch=None):
+def _pump(pipe: IO[bytes], entry: _Entry, stream: TextIO, lock: threading.Lock,
+          gate: _Gate | None = None, watch: Callable[[str], object] | None = None) -> None:
     """Copy ``pipe`` to ``stream`` line by line, prefixed with the label ``entry[0]`` as
     it is when the line is read (held back by ``gate``; dropped when ``watch(line)``)."""
     with pipe:
@@ -322,7 +332,7 @@ def _pump(pipe, entry, stream, lock, gate=None, watch=None):
                 stream.flush()
 
 
-def _group_alive(pid):
+def _group_alive(pid: int) -> bool:
     try:
         os.killpg(pid, 0)
     except (ProcessLookupError, PermissionError):
@@ -330,14 +340,14 @@ def _group_alive(pid):
     return True
 
 
-def _killpg(pid, sig):
+def _killpg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _teardown(procs):
+def _teardown(procs: Sequence[_Entry]) -> None:
     """SIGTERM every process group, SIGKILL what is left after the grace period."""
     for _, proc in procs:
         _killpg(proc.pid, signal.SIGTERM)
@@ -352,7 +362,7 @@ def _teardown(procs):
         proc.wait()
 
 
-def _check_counts(num_workers, num_servers):
+def _check_counts(num_workers: int, num_servers: int) -> None:
     for name, value in (('num_workers', num_workers), ('num_servers', num_servers)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f'{name} must be an integer >= 1, got {value!r}')
@@ -361,24 +371,28 @@ def _check_counts(num_workers, num_servers):
 class _Job:
     """The processes of one job, their output and the launcher's messages."""
 
-    def __init__(self, stream, env, caught):
+    def __init__(self, stream: TextIO, env: dict[str, str], caught: list[int]) -> None:
         self.stream, self.env, self.caught = stream, env, caught
         self.lock = threading.Lock()
-        self.procs, self.threads, self.states, self.said = [], [], {}, []
+        self.procs: list[list[Any]] = []             # [label, Popen], in start order
+        self.threads: list[threading.Thread] = []    # their output pumps
+        self.states: dict[str, str] = {}             # label -> how the launcher ended it
+        self.said: list[str] = []                    # the launcher's messages
 
-    def say(self, message):
+    def say(self, message: str) -> None:
         self.said.append(message)
         with self.lock:
             self.stream.write(f'[launch] {message}\n')
             self.stream.flush()
 
-    def spawn(self, label, role, rank, argv, gate=None):
+    def spawn(self, label: str, role: str, rank: int, argv: Sequence[str],
+              gate: _Gate | None = None) -> subprocess.Popen[bytes]:
         penv = dict(self.env, DMLC_ROLE=role, MX_LBSGD_ROLE=role, MX_LBSGD_RANK=str(rank))
         watch = None
         if role != 'worker':     # so that the bootstrap imports this very mx_lbsgd
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             penv['PYTHONPATH'] = os.pathsep.join(p for p in (root, penv.get('PYTHONPATH')) if p)
-        entry = [label, None]
+        entry: list[Any] = [label, None]
         if role == 'worker':
             quiet = 'PS_VERBOSE' not in penv
             penv.setdefault('PS_VERBOSE', '1')
@@ -386,7 +400,7 @@ class _Job:
         proc = subprocess.Popen(argv, env=penv, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                preexec_fn=(functools.partial(_die_with, os.getpid())
+                                preexec_fn=(functools.partial(_die_with, os.getpid(), _PRCTL)
                                             if _PRCTL is not None else None))
         entry[1] = proc
         self.procs.append(entry)
@@ -396,7 +410,7 @@ class _Job:
         self.threads.append(thread)
         return proc
 
-    def _watch_worker(self, entry, quiet, line):
+    def _watch_worker(self, entry: list[Any], quiet: bool, line: str) -> bool:
         """Relabel a worker by its kv.rank when ps-lite says it has one; True for the
         ps-lite lines that only PS_VERBOSE=1 (set by the launcher) prints."""
         found = _WORKER_CONNECTED.search(line)
@@ -407,10 +421,12 @@ class _Job:
                     self.states[entry[0]] = self.states.pop(old)
         return quiet and _PS_LITE_INFO.match(line) is not None
 
-    def start_scheduler(self, port, given, timeout, deadline):
+    def start_scheduler(self, port: int, given: bool, timeout: float | None,
+                        deadline: float | None) -> int | None:
         """Start the scheduler and wait until it listens on its port (another port if one
         drawn at random is taken first). Returns None then, else the job's exit status."""
-        host, tried = self.env['DMLC_PS_ROOT_URI'], []
+        host = self.env['DMLC_PS_ROOT_URI']
+        tried: list[int] = []
         while True:
             tried.append(port)
             self.env['DMLC_PS_ROOT_PORT'] = str(port)
@@ -440,9 +456,7 @@ class _Job:
                 continue
             gate.open(self.stream, self.lock)
             if why[0] == 'signal':
-                self.say('interrupted; stopping all processes' if why[1] == signal.SIGINT
-                         else 'got SIGTERM; stopping all processes')
-                return _SIGNAL_STATUS[why[1]]
+                return _stop_for_signal(why[1], self.say)
             if why[0] == 'timeout':
                 self.say(f'timeout after {timeout:g} s, before the scheduler listened on '
                          f'{host}:{port}; stopping it')
@@ -455,12 +469,15 @@ class _Job:
             return _status(why[1])
 
 
-def _how(code):
+def _how(code: int) -> str:
     return f'killed by signal {-code}' if code < 0 else f'exited with code {code}'
 
 
-def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=None,
-           stream=None, on_start=None, report=None):
+def launch(command: Iterable[str], num_workers: int, num_servers: int = 1,
+           port: int | None = None, timeout: float | None = None,
+           env: Mapping[str, str] | None = None, stream: TextIO | None = None,
+           on_start: Callable[[dict[str, int]], object] | None = None,
+           report: dict[str, Any] | None = None) -> int:
     """Run ``command`` (a list of arguments) as ``num_workers`` workers of a local PS job.
 
     ``port``: the scheduler's port (default: a free one outside the ephemeral range);
@@ -479,15 +496,45 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
     if timeout is not None and timeout <= 0:
         raise ValueError(f'timeout must be > 0, got {timeout!r}')
     given = port is not None
-    if not given:
-        port = _choose_port()
-    elif not 0 < port < 65536:
-        raise ValueError(f'port must be in 1..65535, got {port!r}')
-    else:
-        _check_port(port)
+    port = _scheduler_port(port)
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     host = _job_host()
+    base = _job_env(env, host, num_servers, num_workers)
+    # SIGINT/SIGTERM only set a flag that the waits poll: an exception raised at an arbitrary
+    # point could leave a lock held (Popen.poll's waitpid lock), and the teardown would then
+    # wait on it forever
+    caught: list[int] = []
+    job = _Job(sys.stdout if stream is None else stream, base, caught)
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main:
+        old_handlers = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                        for sig in _SIGNAL_STATUS}
+    try:
+        status = _run(job, command, num_workers, num_servers, port, given, timeout, start,
+                      deadline, on_start)
+    finally:
+        if on_main:
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+    _conclude(job, status, host, report)
+    return status
+
+
+def _scheduler_port(port: int | None) -> int:
+    """The scheduler's port: ``port`` checked (ValueError when it is out of range or in use),
+    or a free one drawn at random when it is None."""
+    if port is None:
+        return _choose_port()
+    if not 0 < port < 65536:
+        raise ValueError(f'port must be in 1..65535, got {port!r}')
+    _check_port(port)
+    return port
+
+
+def _job_env(env: Mapping[str, str] | None, host: str, num_servers: int,
+             num_workers: int) -> dict[str, str]:
+    """The variables every process of the job gets (module doc)."""
     base = dict(os.environ)
     base.update(env or {})
     for name in _SHARED_ENV:
@@ -496,41 +543,41 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
     base.setdefault('PYTHONUNBUFFERED', '1')
     base.update(DMLC_PS_ROOT_URI=host, DMLC_NODE_HOST=host, DMLC_NUM_SERVER=str(num_servers),
                 DMLC_NUM_WORKER=str(num_workers))
-    # SIGINT/SIGTERM only set a flag that the waits poll: an exception raised at an arbitrary
-    # point could leave a lock held (Popen.poll's waitpid lock), and the teardown would then
-    # wait on it forever
-    caught = []
-    job = _Job(sys.stdout if stream is None else stream, base, caught)
-    on_main = threading.current_thread() is threading.main_thread()
-    if on_main:
-        old_handlers = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-                        for sig in _SIGNAL_STATUS}
+    return base
+
+
+def _run(job: _Job, command: Sequence[str], num_workers: int, num_servers: int, port: int,
+         given: bool, timeout: float | None, start: float, deadline: float | None,
+         on_start: Callable[[dict[str, int]], object] | None) -> int:
+    """Start the scheduler, then the servers and workers, and wait for the job; stops every
+    process still running before it returns the job's exit status."""
     try:
-        try:
-            status = job.start_scheduler(port, given, timeout, deadline)
-            if status is None:
-                for i in range(num_servers):
-                    job.spawn(f'server {i}', 'server', i, [sys.executable, '-c', _BOOTSTRAP])
-                for i in range(num_workers):
-                    job.spawn(f'worker #{i}', 'worker', i, command)
-                if on_start is not None:
-                    on_start({label: proc.pid for label, proc in job.procs})
-                status = _wait(job.procs, timeout, start, job.say, job.states, caught)
-        except KeyboardInterrupt:          # not on the main thread: Python's own handler
-            job.say('interrupted; stopping all processes')
-            status = 130
-        except FileNotFoundError as err:
-            job.say(f'cannot start {err.filename!r}: {err.strerror}')
-            status = 127
-        finally:
-            for label, proc in job.procs:
-                if proc.poll() is None and label not in job.states:
-                    job.states[label] = 'still running; stopped by the launcher'
-            _teardown(job.procs)
+        status = job.start_scheduler(port, given, timeout, deadline)
+        if status is None:
+            for i in range(num_servers):
+                job.spawn(f'server {i}', 'server', i, [sys.executable, '-c', _BOOTSTRAP])
+            for i in range(num_workers):
+                job.spawn(f'worker #{i}', 'worker', i, command)
+            if on_start is not None:
+                on_start({label: proc.pid for label, proc in job.procs})
+            status = _wait(job.procs, timeout, start, job.say, job.states, job.caught)
+    except KeyboardInterrupt:          # not on the main thread: Python's own handler
+        job.say('interrupted; stopping all processes')
+        status = 130
+    except FileNotFoundError as err:
+        job.say(f'cannot start {err.filename!r}: {err.strerror}')
+        status = 127
     finally:
-        if on_main:
-            for sig, handler in old_handlers.items():
-                signal.signal(sig, handler)
+        for label, proc in job.procs:
+            if proc.poll() is None and label not in job.states:
+                job.states[label] = 'still running; stopped by the launcher'
+        _teardown(job.procs)
+    return status
+
+
+def _conclude(job: _Job, status: int, host: str, report: dict[str, Any] | None) -> None:
+    """Once every process has ended: collect the rest of their output, say how each ended
+    if the launcher stepped in, and fill in ``report``."""
     drained = time.monotonic() + 2          # the output threads end with their pipes
     for thread in job.threads:
         thread.join(timeout=max(0.0, drained - time.monotonic()))
@@ -540,11 +587,12 @@ def launch(command, num_workers, num_servers=1, port=None, timeout=None, env=Non
             f'{label}: {_describe(entry)}' for label, entry in summary.items()))
     if report is not None:
         report.update(status=status, processes=summary, host=host,
-                      port=int(base['DMLC_PS_ROOT_PORT']))
-    return status
+                      port=int(job.env['DMLC_PS_ROOT_PORT']))
 
 
-def _wait(procs, timeout, start, say, states, caught=()):
+def _wait(procs: Sequence[_Entry], timeout: float | None, start: float,
+          say: Callable[[str], None], states: dict[str, str],
+          caught: Sequence[int] = ()) -> int:
     """Poll until the workers are done, something fails or the time is up; returns status.
 
     ``states`` maps each label to a note on how the launcher ended that process (filled in
@@ -555,54 +603,84 @@ def _wait(procs, timeout, start, say, states, caught=()):
     done_at = barrier_at = None
     while True:
         if caught:
-            say('interrupted; stopping all processes' if caught[0] == signal.SIGINT
-                else 'got SIGTERM; stopping all processes')
-            return _SIGNAL_STATUS[caught[0]]
-        for label, proc in procs:
-            code = proc.poll()
-            if code and label not in states:
-                say(f'{label} {_how(code)}; stopping all processes')
-                return _status(code)
+            return _stop_for_signal(caught[0], say)
+        failed = _first_failure(procs, say, states)
+        if failed is not None:
+            return failed
         now = time.monotonic()
         if all(p.returncode == 0 or label in states for label, p in procs):
             return 0
         if barrier_at is None and scheduler.returncode == 0:
             barrier_at = now
         if barrier_at is not None and now - barrier_at > _EXIT_HANG:
-            # The scheduler leaves ps-lite's final barrier (ps::Finalize) only once every
-            # server and worker has entered it, i.e. every worker's program is done and its
-            # kvstore is being destroyed. What still runs is stuck in ps-lite's exit.
-            hung = [(label, p) for label, p in procs if p.poll() is None]
-            for label, _ in hung:
-                states[label] = 'hung in ps-lite exit after the final barrier; stopped'
-            say(f'{", ".join(l for l, _ in hung)} still running {_EXIT_HANG:g} s after the '
-                "job's final ps-lite barrier (their work is done): stuck in ps-lite's exit; "
-                'stopping them')
-            _teardown(hung)
-            return 0
+            return _stop_hung(procs, say, states)
         if done_at is None and all(p.returncode == 0 for p in workers):
             done_at = now
         if done_at is not None and now - done_at > _LINGER:
-            left = [label for label, p in procs if p.poll() is None]
-            for label in left:
-                states[label] = 'still running after the workers succeeded; stopped'
-            say(f'all workers finished but servers/scheduler still run after {_LINGER:g} s; '
-                'stopping them')
-            return 0
+            return _stop_lingering(procs, say, states)
         if timeout is not None and now - start > timeout:
             say(f'timeout after {timeout:g} s; stopping all processes')
             return 124
         time.sleep(_POLL)
 
 
-def _summary(procs, states):
+def _stop_for_signal(signum: int, say: Callable[[str], None]) -> int:
+    """Say that SIGINT or SIGTERM (``signum``) stops the job; its exit status."""
+    say('interrupted; stopping all processes' if signum == signal.SIGINT
+        else 'got SIGTERM; stopping all processes')
+    return _SIGNAL_STATUS[signum]
+
+
+def _first_failure(procs: Sequence[_Entry], say: Callable[[str], None],
+                   states: Mapping[str, str]) -> int | None:
+    """Poll every process: the exit status of the first one that failed by itself (said),
+    else None."""
+    for label, proc in procs:
+        code = proc.poll()
+        if code and label not in states:
+            say(f'{label} {_how(code)}; stopping all processes')
+            return _status(code)
+    return None
+
+
+def _stop_hung(procs: Sequence[_Entry], say: Callable[[str], None],
+               states: dict[str, str]) -> int:
+    """Stop the processes still running well after the scheduler left the final barrier;
+    the job succeeded (0)."""
+    # The scheduler leaves ps-lite's final barrier (ps::Finalize) only once every
+    # server and worker has entered it, i.e. every worker's program is done and its
+    # kvstore is being destroyed. What still runs is stuck in ps-lite's exit.
+    hung = [(label, p) for label, p in procs if p.poll() is None]
+    for label, _ in hung:
+        states[label] = 'hung in ps-lite exit after the final barrier; stopped'
+    say(f'{", ".join(l for l, _ in hung)} still running {_EXIT_HANG:g} s after the '
+        "job's final ps-lite barrier (their work is done): stuck in ps-lite's exit; "
+        'stopping them')
+    _teardown(hung)
+    return 0
+
+
+def _stop_lingering(procs: Sequence[_Entry], say: Callable[[str], None],
+                    states: dict[str, str]) -> int:
+    """Mark the servers/scheduler still running well after every worker succeeded (the
+    caller's teardown stops them); the job succeeded (0)."""
+    left = [label for label, p in procs if p.poll() is None]
+    for label in left:
+        states[label] = 'still running after the workers succeeded; stopped'
+    say(f'all workers finished but servers/scheduler still run after {_LINGER:g} s; '
+        'stopping them')
+    return 0
+
+
+def _summary(procs: Sequence[_Entry], states: Mapping[str, str]
+             ) -> dict[str, dict[str, Any]]:
     """``{label: {'status': int or None, 'note': str}}`` once every process has ended.
 
     ``status`` is the process's own exit status (128 + N if killed by signal N), or ``None``
     for a process stopped by the launcher after its work was done (``note`` says why);
     ``note`` is '' for a process that exited by itself.
     """
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for label, proc in procs:
         code = proc.returncode
         if label in states:
@@ -615,7 +693,7 @@ def _summary(procs, states):
     return out
 
 
-def _describe(entry):
+def _describe(entry: Mapping[str, Any]) -> str:
     if entry['note']:
         return entry['note']
     status = entry['status']
@@ -624,7 +702,7 @@ def _describe(entry):
     return f'killed by signal {status - 128}' if status > 128 else f'exit {status}'
 
 
-def _positive_int(text):
+def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -634,7 +712,7 @@ def _positive_int(text):
     return value
 
 
-def _positive_float(text):
+def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -644,7 +722,7 @@ def _positive_float(text):
     return value
 
 
-def _port(text):
+def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f'must be <= 65535, got {value}')
@@ -654,11 +732,11 @@ def _port(text):
 class _Parser(argparse.ArgumentParser):
     """Errors in one line, ``PROG: error: MESSAGE`` (exit status 2), not the usage."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f'{self.prog}: error: {message} (see {self.prog} --help)\n')
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``mx-lbsgd launch -n WORKERS [-s SERVERS] [--port P] [--timeout S] -- CMD``."""
     parser = _Parser(
         prog='mx-lbsgd launch',
