@@ -37,12 +37,15 @@ written before that header existed (magic ``MXLBSGD-STATES\x00\x02``) load as be
 Loading validates every state against the target's parameters (keys, layout, shapes,
 dtypes) and the scaler states before it changes anything.
 """
+from __future__ import annotations
+
 import hashlib
 import io
 import os
 import pickle
 import tempfile
 import warnings
+from typing import IO, TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional, Tuple, Union
 
 import numpy as np
 import mxnet as mx
@@ -50,6 +53,16 @@ import mxnet as mx
 from . import _compat, _legacy
 from .loss_scaling import DynamicLossScaler
 from .pipeline import binding as _binding
+
+if TYPE_CHECKING:
+    from .loss_scaling import LossScaling
+
+#: What the functions here save and load: a gluon.Trainer or a (bound) Module.
+_Target = Union['mx.gluon.Trainer', 'mx.module.BaseModule']
+#: A file path (str or pathlib.Path).
+_Path = Union[str, 'os.PathLike[str]']
+#: Per device, parameter index (or name) -> that parameter's optimizer state; and the progress.
+_States = Tuple[List[Dict[Any, Any]], Optional[Dict[str, Any]]]
 
 __all__ = ['save_states', 'load_states', 'save_checkpoint', 'load_checkpoint']
 
@@ -66,7 +79,7 @@ _MAGIC_V2 = b'MXLBSGD-STATES\x00\x02'
 _DIGEST = 32
 
 
-def _refuse_plain_unpickling():
+def _refuse_plain_unpickling() -> NoReturn:
     """What a plain unpickler runs when it reads an mx_lbsgd states file (the file's first
     bytes call it): it only raises, naming the loader. Keep its name: files refer to it."""
     raise ValueError(
@@ -76,7 +89,7 @@ def _refuse_plain_unpickling():
         'mx_lbsgd.checkpoint.load_states(trainer_or_module, path)')
 
 
-def _allowed_globals():
+def _allowed_globals() -> set[tuple[str, str]]:
     allowed = {('mxnet.ndarray.ndarray', 'NDArray'), ('mxnet.numpy', 'ndarray'),
                ('mxnet.numpy.multiarray', 'ndarray'),
                ('numpy', 'ndarray'), ('numpy', 'dtype'),
@@ -105,11 +118,11 @@ class _Unpickler(pickle.Unpickler):
     """Reads earlier versions' names (`_legacy.GLOBALS`); unless `trusted`, resolves only the
     globals of `_allowed_globals` and refuses anything else before it could be called."""
 
-    def __init__(self, file, trusted):
+    def __init__(self, file: IO[bytes], trusted: bool) -> None:
         super().__init__(file)
         self.trusted = trusted
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _legacy.GLOBALS:
             return _legacy.GLOBALS[module, name]
         if self.trusted or (module, name) in _allowed_globals():
@@ -121,7 +134,7 @@ class _Refused(pickle.UnpicklingError):
     pass
 
 
-def _unpickle(blob, path, trusted):
+def _unpickle(blob: bytes, path: _Path, trusted: bool) -> Any:
     try:
         return _Unpickler(io.BytesIO(blob), trusted).load()
     except _Refused as err:
@@ -135,7 +148,7 @@ def _unpickle(blob, path, trusted):
                          'states' % (path, len(blob), type(err).__name__, err)) from None
 
 
-def _atomic_write(path, write):
+def _atomic_write(path: _Path, write: Callable[[str], object]) -> None:
     """Calls write(tmp_path), then renames tmp_path over `path`."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', dir=folder)
@@ -154,7 +167,7 @@ def _atomic_write(path, write):
         raise
 
 
-def _updaters(target):
+def _updaters(target: _Target) -> tuple[list[mx.optimizer.Updater], mx.optimizer.Optimizer]:
     """The Updaters that hold `target`'s states (one per device for a Trainer)."""
     if isinstance(target, mx.gluon.Trainer):
         _compat.init_trainer_params(target)
@@ -171,7 +184,7 @@ def _updaters(target):
     raise TypeError('target must be a gluon.Trainer or a Module; got %r' % (target,))
 
 
-def _progress(opt):
+def _progress(opt: mx.optimizer.Optimizer) -> dict[str, Any]:
     """One dict of plain values: the counters, lr and scheduler of any MXNet optimizer, then
     what an mx_lbsgd optimizer adds through its ``progress()`` (the protocol the optimizers
     and this module share: ``progress()`` / ``load_progress(progress)``)."""
@@ -183,7 +196,7 @@ def _progress(opt):
     return progress
 
 
-def _load_progress(opt, progress):
+def _load_progress(opt: mx.optimizer.Optimizer, progress: dict[str, Any]) -> None:
     opt.lr = progress.get('lr', opt.lr)
     opt.lr_scheduler = progress.get('lr_scheduler', opt.lr_scheduler)
     if hasattr(opt, 'load_progress'):
@@ -193,7 +206,7 @@ def _load_progress(opt, progress):
         opt.num_update = progress['num_update']
 
 
-def save_states(target, path):
+def save_states(target: _Target, path: _Path) -> None:
     """Atomically write the optimizer states (every device) and progress of a gluon.Trainer
     or a Module to `path`."""
     updaters, opt = _updaters(target)
@@ -208,13 +221,22 @@ def save_states(target, path):
     _atomic_write(path, lambda tmp: _write_bytes(tmp, blob))
 
 
-def _write_bytes(path, blob):
+def _write_bytes(path: str, blob: bytes) -> None:
     with open(path, 'wb') as f:
         f.write(blob)
 
 
-def _read(path, trusted=False):
+def _read(path: _Path, trusted: bool = False) -> _States:
     """(per-device states, progress or None) of any supported file, checked."""
+    content = _unpickle(_checked_payload(_read_bytes(path), path), path, trusted)
+    if isinstance(content, dict) and content.get('format') == _FORMAT:
+        return _current_states(content, path)
+    return _older_states(content, path)
+
+
+def _read_bytes(path: _Path) -> bytes:
+    """The bytes of the file at `path`; ValueError for a folder, an unreadable or an empty
+    file, FileNotFoundError for a missing one."""
     if os.path.isdir(path):
         raise ValueError('optimizer states path %r is a directory, not a states file' % path)
     try:
@@ -227,6 +249,12 @@ def _read(path, trusted=False):
     if not blob:
         raise ValueError('optimizer states file %r is empty; load an earlier checkpoint'
                          % path)
+    return blob
+
+
+def _checked_payload(blob: bytes, path: _Path) -> bytes:
+    """What follows this package's header and checksum once the checksum matches (the
+    content of an earlier version's file or of MXNet's: `blob` itself)."""
     magic = next((m for m in (MX_LBSGD_MAGIC, _MAGIC_V2) if blob.startswith(m)), None)
     if magic is None and _damaged_header(blob):
         magic = MX_LBSGD_MAGIC           # the checksum then says "corrupted"
@@ -238,15 +266,23 @@ def _read(path, trusted=False):
                              'match: truncated or changed since it was written); load an '
                              'earlier checkpoint' % path)
         blob = payload
-    content = _unpickle(blob, path, trusted)
+    return blob
+
+
+def _current_states(content: dict[str, Any], path: _Path) -> _States:
+    """The states and progress of a file written by `save_states`, checked."""
+    states, progress = content.get('states'), content.get('progress')
+    if not (isinstance(states, list) and states and isinstance(progress, dict)
+            and all(isinstance(d, dict) for d in states)):
+        raise ValueError('%r is not a valid mx_lbsgd states file (malformed content)'
+                         % path)
+    return states, progress
+
+
+def _older_states(content: Any, path: _Path) -> _States:
+    """The states and progress of a file written by MXNet's ``save_states`` /
+    ``save_optimizer_states`` or by mx_lbsgd 0.1, checked."""
     optimizer = None
-    if isinstance(content, dict) and content.get('format') == _FORMAT:
-        states, progress = content.get('states'), content.get('progress')
-        if not (isinstance(states, list) and states and isinstance(progress, dict)
-                and all(isinstance(d, dict) for d in states)):
-            raise ValueError('%r is not a valid mx_lbsgd states file (malformed content)'
-                             % path)
-        return states, progress
     if isinstance(content, tuple) and len(content) == 2:       # Trainer.save_states
         content, optimizer = content
         if not isinstance(optimizer, mx.optimizer.Optimizer):
@@ -262,14 +298,14 @@ def _read(path, trusted=False):
     return [states], progress
 
 
-def _damaged_header(blob):
+def _damaged_header(blob: bytes) -> bool:
     """Whether `blob` starts as this package's header with a byte changed or cut short."""
     stop = len(_PLAIN_PICKLE_STOP)
     return (blob[:stop] == _PLAIN_PICKLE_STOP or blob[stop:len(MX_LBSGD_MAGIC)] == _TAG
             or (len(blob) < len(MX_LBSGD_MAGIC) and MX_LBSGD_MAGIC.startswith(blob)))
 
 
-def load_states(target, path, trusted=False):
+def load_states(target: _Target, path: _Path, trusted: bool = False) -> None:
     """Check `path`, then load it into a gluon.Trainer or a Module. A missing file raises
     FileNotFoundError; any other problem (corrupted, not a states file, types outside the
     allowlist without ``trusted=True``, states that do not fit the target's parameters)
@@ -293,14 +329,14 @@ def load_states(target, path, trusted=False):
         _load_loss_scaling(target, path, progress.get('loss_scaling'))
 
 
-def _loss_scaling(target):
+def _loss_scaling(target: _Target) -> LossScaling | None:
     """The `LossScaling` hook attached to a Trainer target, or None."""
     if isinstance(target, mx.gluon.Trainer):
         return _binding.loss_scaling_of(target)
     return None
 
 
-def _load_loss_scaling(target, path, state):
+def _load_loss_scaling(target: _Target, path: _Path, state: dict[str, Any] | None) -> None:
     """Put a saved hook scaler state into the live hook's scaler object."""
     if state is None:
         return
@@ -313,7 +349,7 @@ def _load_loss_scaling(target, path, state):
     hook.scaler.load_state_dict(state)
 
 
-def _weights_by_key(target):
+def _weights_by_key(target: _Target) -> list[dict[Any, mx.nd.NDArray]]:
     """Per updater: state key -> the weight array it belongs to."""
     if isinstance(target, mx.gluon.Trainer):
         params = _compat.trainer_params(target)
@@ -321,7 +357,7 @@ def _weights_by_key(target):
                  if p.grad_req != 'null'} for k in range(len(_compat.trainer_updaters(target)))]
     arrays, names = _compat.module_param_arrays(target)
     n = len(arrays[0]) if arrays else 1
-    by_key = {}
+    by_key: dict[Any, mx.nd.NDArray] = {}       # parameter name and index -> weight
     for i, (name, per_device) in enumerate(zip(names, arrays)):
         by_key[name] = per_device[0]
         for k, array in enumerate(per_device):
@@ -329,7 +365,7 @@ def _weights_by_key(target):
     return [by_key]
 
 
-def _leaves(state):
+def _leaves(state: Any) -> list[Any]:
     """The arrays (or None) of a state, nested tuples flattened: MXNet's multi-precision
     states nest, e.g. LAMB/Adam's ``(weight_fp32, (mean, var))``."""
     if not isinstance(state, tuple):
@@ -337,14 +373,15 @@ def _leaves(state):
     return [leaf for part in state for leaf in _leaves(part)]
 
 
-def _arrays_of(state):
+def _arrays_of(state: Any) -> list[Any] | tuple[tuple[int, ...], str] | None:
     """(shape, dtype) of each array of a state, nested as the state is."""
     if isinstance(state, tuple):
         return [_arrays_of(part) for part in state]
     return None if state is None else (tuple(state.shape), np.dtype(state.dtype).name)
 
 
-def _check_state(path, opt, key, state, weight):
+def _check_state(path: _Path, opt: mx.optimizer.Optimizer, key: Any, state: Any,
+                 weight: mx.nd.NDArray | None) -> None:
     if weight is None:
         raise ValueError('optimizer states file %r has a state for parameter %r, which the '
                          'target does not have (a different model or parameter order?)'
@@ -364,7 +401,7 @@ def _check_state(path, opt, key, state, weight):
             % (path, type(opt).__name__, key, got, expected))
 
 
-def _check_progress(path, progress):
+def _check_progress(path: _Path, progress: dict[str, Any]) -> None:
     counts = progress.get('index_update_counts')
     if not isinstance(counts, dict) or not isinstance(progress.get('num_update'), int):
         raise ValueError('optimizer states file %r has malformed progress counters' % path)
@@ -377,7 +414,8 @@ def _check_progress(path, progress):
                                  '(%s)' % (path, err)) from None
 
 
-def save_checkpoint(mod, prefix, epoch, save_optimizer_states=True):
+def save_checkpoint(mod: mx.module.Module, prefix: str, epoch: int,
+                    save_optimizer_states: bool = True) -> None:
     """`Module.save_checkpoint`, with every file written atomically:
     prefix-symbol.json, prefix-%04d.params (each with a .sha256 sidecar) and (optionally)
     prefix-%04d.states."""
@@ -386,13 +424,16 @@ def save_checkpoint(mod, prefix, epoch, save_optimizer_states=True):
         _atomic_write(name, write)
         with open(name, 'rb') as f:
             digest = hashlib.sha256(f.read()).hexdigest()
-        _atomic_write(name + '.sha256', lambda tmp, d=digest, n=name: _write_bytes(
-            tmp, ('%s  %s\n' % (d, os.path.basename(n))).encode()))
+
+        def write_sidecar(tmp: str) -> None:       # called right away: this name's digest
+            _write_bytes(tmp, ('%s  %s\n' % (digest, os.path.basename(name))).encode())
+        _atomic_write(name + '.sha256', write_sidecar)
     if save_optimizer_states:
         save_states(mod, '%s-%04d.states' % (prefix, epoch))
 
 
-def load_checkpoint(prefix, epoch):
+def load_checkpoint(prefix: str, epoch: int
+                    ) -> tuple[mx.sym.Symbol, dict[str, mx.nd.NDArray], dict[str, mx.nd.NDArray]]:
     """`mx.model.load_checkpoint` after checking the .sha256 sidecars that
     `save_checkpoint` wrote: (symbol, arg_params, aux_params)."""
     for name in ('%s-symbol.json' % prefix, '%s-%04d.params' % (prefix, epoch)):
