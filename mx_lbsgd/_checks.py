@@ -1,16 +1,21 @@
 """Argument checks that name the parameter and the allowed values. No mxnet import."""
+from __future__ import annotations
+
 import math
 import numbers
+from typing import Collection, TypeVar
+
+_T = TypeVar('_T')
 
 
-def check_choice(name, value, allowed):
+def check_choice(name: str, value: _T, allowed: Collection[object]) -> _T:
     """Raise ValueError naming `name` unless `value` is one of `allowed`."""
     if value not in allowed:
         raise ValueError('%s=%r is not supported; expected one of %r' % (name, value, allowed))
     return value
 
 
-def check_int(name, value, minimum):
+def check_int(name: str, value: object, minimum: int) -> int:
     """Raise TypeError/ValueError naming `name` unless `value` is an integer >= minimum."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError('%s must be an integer >= %d; got %r' % (name, minimum, value))
@@ -19,8 +24,9 @@ def check_int(name, value, minimum):
     return int(value)
 
 
-def check_real(name, value, minimum=None, maximum=None, open_min=False, open_max=False,
-               allow_inf=False):
+def check_real(name: str, value: object, minimum: float | None = None,
+               maximum: float | None = None, open_min: bool = False, open_max: bool = False,
+               allow_inf: bool = False) -> float:
     """Raise TypeError unless `value` is a real number, ValueError naming `name` unless it
     is in range (NaN never is; +-inf only with `allow_inf`)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -28,7 +34,10 @@ def check_real(name, value, minimum=None, maximum=None, open_min=False, open_max
     if math.isnan(value) or (math.isinf(value) and not allow_inf):
         raise ValueError('%s must be a finite real number; got %r' % (name, value))
     low_bad = minimum is not None and (value <= minimum if open_min else value < minimum)
-    high_bad = maximum is not None and (value >= maximum if open_max else value > maximum)
+    # numbers.Real's stub declares only __lt__/__le__ (as the ABC does); >= and > work on
+    # every concrete real number
+    high_bad = maximum is not None and (value >= maximum if open_max  # type: ignore[operator]
+                                        else value > maximum)  # type: ignore[operator]
     if low_bad or high_bad:
         low = '' if minimum is None else ('%s%r' % ('(' if open_min else '[', minimum))
         high = '' if maximum is None else ('%r%s' % (maximum, ')' if open_max else ']'))

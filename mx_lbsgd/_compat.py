@@ -4,16 +4,22 @@ Each function says why the public API does not suffice. All were checked against
 1.9.1 (the version ``setup.py`` pins); the pure layers (``schedules``, ``loss_scale``) use
 none. Nothing else in the package touches a private MXNet attribute.
 """
+from __future__ import annotations
+
 import os
 import sys
 import weakref
+from typing import Any, Callable, Mapping, TypeVar
 
 import mxnet as mx
 
 from .distributed import horovod_exit as _horovod_exit
 
+_T = TypeVar('_T')
 
-def trainer_assigning_rescale_grad(optimizer):
+
+def trainer_assigning_rescale_grad(optimizer: mx.optimizer.Optimizer
+                                   ) -> mx.gluon.Trainer | None:
     """The gluon.Trainer whose ``step``/``update`` is assigning ``optimizer.rescale_grad``
     right now (call it from the setter), or None.
 
@@ -32,7 +38,7 @@ def trainer_assigning_rescale_grad(optimizer):
     return None
 
 
-def init_trainer_kvstore(trainer):
+def init_trainer_kvstore(trainer: mx.gluon.Trainer) -> None:
     """Create the Trainer's kvstore now (idempotent), so ``update_on_kvstore`` is decided.
 
     Why: ``Trainer.step`` creates it lazily, after it has set ``rescale_grad``; a loss-scaled
@@ -43,24 +49,24 @@ def init_trainer_kvstore(trainer):
         trainer._init_kvstore()
 
 
-def trainer_updates_on_kvstore(trainer):
+def trainer_updates_on_kvstore(trainer: mx.gluon.Trainer) -> bool:
     """True when the Trainer's kvstore updates the weights (``update_on_kvstore``)."""
     return bool(trainer._kvstore) and bool(trainer._update_on_kvstore)
 
 
-def trainer_kvstore_requested_updates(trainer):
+def trainer_kvstore_requested_updates(trainer: mx.gluon.Trainer) -> bool | None:
     """The ``update_on_kvstore`` argument the Trainer was created with (None: automatic)."""
     return trainer._kvstore_params.get('update_on_kvstore')
 
 
-def init_trainer_params(trainer):
+def init_trainer_params(trainer: mx.gluon.Trainer) -> None:
     """Create the kvstore and push the initial weights (``Trainer.step`` does it lazily)."""
     init_trainer_kvstore(trainer)
     if trainer._params_to_init:
         trainer._init_params()
 
 
-def trainer_updaters(trainer):
+def trainer_updaters(trainer: mx.gluon.Trainer) -> list[mx.optimizer.Updater]:
     """The Trainer's per-device ``mx.optimizer.Updater`` objects (they own the states).
 
     Why: ``Trainer.save_states`` writes only the first device's states; per-device
@@ -69,12 +75,12 @@ def trainer_updaters(trainer):
     return trainer._updaters
 
 
-def trainer_scale(trainer):
+def trainer_scale(trainer: mx.gluon.Trainer) -> float:
     """The factor ``Trainer.step`` divides by the batch size to get ``rescale_grad``."""
     return trainer._scale
 
 
-def fresh_gradients(param_dict):
+def fresh_gradients(param_dict: Mapping[Any, mx.gluon.Parameter]) -> list[mx.nd.NDArray]:
     """Every gradient, on every device, that backward wrote since the last update.
 
     Why: ``Trainer._update`` clears the ``_fresh_grad`` flags while it hands the gradients
@@ -91,27 +97,27 @@ def fresh_gradients(param_dict):
     return grads
 
 
-def legacy(array):
+def legacy(array: mx.nd.NDArray) -> mx.nd.NDArray:
     """A legacy ``mx.nd.NDArray`` view of an ``mx.np`` array (the ``multi_*`` and
     ``all_finite`` operators accept only legacy arrays); legacy arrays pass through."""
     as_nd = getattr(array, 'as_nd_ndarray', None)
     return as_nd() if as_nd is not None else array
 
 
-def module_updater(mod):
+def module_updater(mod: mx.module.Module) -> mx.optimizer.Updater | None:
     """A bound Module's ``mx.optimizer.Updater`` (None when the kvstore updates)."""
     return mod._updater
 
 
-def module_optimizer(mod):
+def module_optimizer(mod: mx.module.Module) -> mx.optimizer.Optimizer | None:
     return getattr(mod, '_optimizer', None)
 
 
-def module_kvstore(mod):
+def module_kvstore(mod: mx.module.Module) -> tuple[mx.kvstore.KVStore | None, bool | None]:
     return mod._kvstore, mod._update_on_kvstore
 
 
-def creating_module_updates_on_kvstore():
+def creating_module_updates_on_kvstore() -> bool:
     """True when the optimizer under construction is being created by
     ``Module.init_optimizer`` for a kvstore that will update the weights.
 
@@ -125,14 +131,14 @@ def creating_module_updates_on_kvstore():
         local.get('kvstore') is not None
 
 
-def module_sparse_gradients_on_dist_kvstore():
+def module_sparse_gradients_on_dist_kvstore() -> tuple[str | None, list[str]]:
     """Inside ``Module.init_optimizer`` with a dist kvstore: its type and the names of the
     parameters with dense weights and row_sparse gradients (``sym.Embedding(sparse_grad=
     True)``), which MXNet 1.9.1's server aborts on. Same call-stack read as above: Module
     hands the kvstore the optimizer (``set_optimizer`` pickles it) and nothing else."""
     local = _init_optimizer_locals()
     kv = local.get('kvstore') if local is not None else None
-    if not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:
+    if local is None or not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:
         return None, []
     group = local['self']._exec_group
     return kv.type, [name for name, ws, gs in zip(group.param_names, group.param_arrays,
@@ -141,12 +147,13 @@ def module_sparse_gradients_on_dist_kvstore():
                      and ws[0].stype == 'default']
 
 
-def _init_optimizer_locals():
+def _init_optimizer_locals() -> dict[str, Any] | None:
     frame = sys._getframe(1)
     for _ in range(12):
-        frame = frame.f_back
-        if frame is None:
+        back = frame.f_back
+        if back is None:
             return None
+        frame = back
         local = frame.f_locals
         if (frame.f_code.co_name == 'init_optimizer'
                 and isinstance(local.get('self'), mx.module.BaseModule)
@@ -155,7 +162,7 @@ def _init_optimizer_locals():
     return None
 
 
-def patch_operator_invoke(hook):
+def patch_operator_invoke(hook: Callable[[Any], object]) -> Callable[[], None]:
     """Call ``hook(handle)`` for every imperative operator call made through ``mx.nd``;
     returns a function that undoes it. For counting kernel launches in tests/benchmarks.
 
@@ -165,28 +172,28 @@ def patch_operator_invoke(hook):
     from mxnet.ndarray import register
     original = register._imperative_invoke
 
-    def counting(handle, *args, **kwargs):
+    def counting(handle: Any, *args: Any, **kwargs: Any) -> Any:
         hook(handle)
         return original(handle, *args, **kwargs)
     register._imperative_invoke = counting
 
-    def undo():
+    def undo() -> None:
         register._imperative_invoke = original
     return undo
 
 
-def trainer_params(trainer):
+def trainer_params(trainer: mx.gluon.Trainer) -> list[mx.gluon.Parameter]:
     """The Trainer's parameters in index order (the indices its updaters use)."""
     return trainer._params
 
 
-def is_fresh(array):
+def is_fresh(array: mx.nd.NDArray) -> bool:
     """Whether backward wrote this parameter array's gradient since the last update
     (NDArray's ``_fresh_grad`` flag, which Trainer reads and clears; no public accessor)."""
     return array._fresh_grad
 
 
-def updater_state(updater, index, weight):
+def updater_state(updater: mx.optimizer.Updater, index: int, weight: mx.nd.NDArray) -> Any:
     """The Updater's state for `index`, created or moved to `weight`'s context exactly as
     ``Updater.__call__`` would (the accumulation window needs it before the Updater runs)."""
     if index not in updater.states:
@@ -199,14 +206,16 @@ def updater_state(updater, index, weight):
     return updater.states[index]
 
 
-def module_param_arrays(mod):
+def module_param_arrays(mod: mx.module.Module
+                        ) -> tuple[list[list[mx.nd.NDArray]], list[str]]:
     """A bound Module's parameter arrays (per parameter, per device) and their names, in the
     order its Updater keys them (index * num_devices + device)."""
     group = mod._exec_group
     return group.param_arrays, group.param_names
 
 
-def exit_when_server_command_fails(server):
+def exit_when_server_command_fails(server: mx.kvstore.KVStoreServer
+                                   ) -> mx.kvstore.KVStoreServer:
     """Make a ``mx.kv.KVStoreServer`` end its process (status 1, traceback on stderr) when a
     command from the workers fails, instead of going on; call it before ``server.run()``.
 
@@ -220,7 +229,7 @@ def exit_when_server_command_fails(server):
     import traceback
     control = server._controller()
 
-    def controller(*args):
+    def controller(*args: Any) -> None:
         try:
             control(*args)
         except BaseException:
@@ -231,26 +240,26 @@ def exit_when_server_command_fails(server):
     return server
 
 
-def on_kvstore_server():
+def on_kvstore_server() -> bool:
     """Whether this process is a ps-lite server of a dist kvstore, where MXNet's server loop
     (``kvstore_dist_server.h``) calls the optimizer with buffers it owns. ``DMLC_ROLE`` is
     what MXNet itself reads to decide that."""
     return os.environ.get('DMLC_ROLE') == 'server'
 
 
-def grad_stype(param):
+def grad_stype(param: mx.gluon.Parameter) -> str:
     """A gluon Parameter's gradient storage type (Parameter has no public accessor)."""
     return getattr(param, '_grad_stype', 'default')
 
 
-def trainer_kvstore_type(trainer):
+def trainer_kvstore_type(trainer: mx.gluon.Trainer) -> str | None:
     """The type of the kvstore a Trainer was asked for ('dist_sync', 'device', ...; None for
     none), before ``Trainer.step`` creates it: ``_kvstore_params`` holds the argument."""
     kv = trainer._kvstore_params.get('kvstore')
     return kv.type if isinstance(kv, mx.kvstore.KVStore) else kv if isinstance(kv, str) else None
 
 
-def trainer_worker_count(trainer, default):
+def trainer_worker_count(trainer: mx.gluon.Trainer, default: _T) -> int | _T:
     """How many workers' gradients the Trainer's reduction sums: Horovod's size for Horovod's
     DistributedTrainer, the kvstore's ``num_workers`` once ``Trainer.step`` created it, 1
     without a dist kvstore, and `default` for a dist kvstore not created yet.
@@ -270,18 +279,18 @@ def trainer_worker_count(trainer, default):
     return default if kind and kind.startswith('dist') else 1
 
 
-def dense_weights_with_sparse_gradients(trainer):
+def dense_weights_with_sparse_gradients(trainer: mx.gluon.Trainer) -> list[str]:
     """Names of the Trainer's parameters with default-storage weights and row_sparse
     gradients (``Embedding(sparse_grad=True)``); Parameter has no public ``stype``."""
     return [p.name for p in trainer_params(trainer)
             if grad_stype(p) != 'default' and getattr(p, '_stype', 'default') == 'default']
 
 
-def has_sparse_gradients(trainer):
+def has_sparse_gradients(trainer: mx.gluon.Trainer) -> bool:
     return any(grad_stype(p) != 'default' for p in trainer_params(trainer))
 
 
-def mul_scalar(array, scalar, out):
+def mul_scalar(array: mx.nd.NDArray, scalar: float, out: mx.nd.NDArray) -> mx.nd.NDArray:
     """``out = array * scalar`` written into `out`.
 
     Why: the public ``array * scalar`` allocates a new array every call; the accumulation
@@ -290,14 +299,15 @@ def mul_scalar(array, scalar, out):
     return mx.nd._internal._mul_scalar(array, scalar=scalar, out=out)
 
 
-def buffer_id(array):
+def buffer_id(array: mx.nd.NDArray) -> int:
     """An id of the memory an NDArray refers to: two Python NDArray objects (an ``mx.np``
     array and its legacy view) share it. Why: NDArray has no public identity of its
     buffer; its ctypes ``handle`` is that identity."""
     return array.handle.value
 
 
-def update_counts(opt):
+def update_counts(opt: mx.optimizer.Optimizer
+                  ) -> tuple[dict[int, dict[Any, int]], dict[Any, int]]:
     """(all per-device update counts, the current device's) of any MXNet Optimizer.
 
     Why: checkpoints must restore them bit for bit, and the optimizer shell reads and rewinds
@@ -306,7 +316,8 @@ def update_counts(opt):
     return opt._all_index_update_counts, opt._index_update_count
 
 
-def set_update_counts(opt, counts):
+def set_update_counts(opt: mx.optimizer.Optimizer,
+                      counts: Mapping[Any, Mapping[Any, Any]]) -> None:
     """Replace every update count (``{device id: {index: count}}``), keeping the optimizer's
     current device."""
     current = next((k for k, v in opt._all_index_update_counts.items()
@@ -316,14 +327,15 @@ def set_update_counts(opt, counts):
     opt._index_update_count = opt._all_index_update_counts.setdefault(current, {})
 
 
-def kvstore_updater(kvstore):
+def kvstore_updater(kvstore: mx.kvstore.KVStore | None) -> mx.optimizer.Updater | None:
     """The ``mx.optimizer.Updater`` a local kvstore updates with (Module with
     ``update_on_kvstore``): where its optimizer states live. KVStore exposes only
     ``save_optimizer_states``, which writes MXNet's format without our progress."""
     return getattr(kvstore, '_updater', None)
 
 
-def wrap_trainer_step(trainer, reduce, update):
+def wrap_trainer_step(trainer: mx.gluon.Trainer, reduce: Callable[[Callable[[], Any]], Any],
+                      update: Callable[..., Any]) -> None:
     """Route this Trainer's gradient reduction through ``reduce(original)`` and its
     per-device update through ``update(original, *args, **kwargs)``.
 
@@ -343,7 +355,7 @@ def wrap_trainer_step(trainer, reduce, update):
     trainer._update = lambda *a, **k: update(original_update, *a, **k)
 
 
-def _weak_method(obj, name):
+def _weak_method(obj: object, name: str) -> Callable[..., Any]:
     """obj.name as a callable that holds `obj` weakly (a wrapper stored on `obj` that held
     the bound method would keep `obj` alive until the cyclic garbage collector runs)."""
     bound = getattr(obj, name)
@@ -356,7 +368,7 @@ def _weak_method(obj, name):
 
 # -- added for overflow reports (mx_lbsgd.overflow): which worker this is -----------------
 
-def trainer_rank(trainer):
+def trainer_rank(trainer: mx.gluon.Trainer) -> int | None:
     """This worker's rank in the Trainer's reduction (None without a dist kvstore or Horovod).
 
     Why: a Trainer creates its kvstore lazily into the private ``_kvstore``; Horovod's
@@ -369,11 +381,11 @@ def trainer_rank(trainer):
     return kv.rank if kv is not None and 'dist' in kv.type else None
 
 
-def _is_horovod_trainer(trainer):
+def _is_horovod_trainer(trainer: object) -> bool:
     return type(trainer).__module__.split('.')[0] == 'horovod'
 
 
-def horovod_worker():
+def horovod_worker() -> tuple[int, int] | None:
     """(rank, size) when horovod.mxnet is imported and initialized, else None.
 
     Why: horovod's DistributedOptimizer (Module) reduces before it calls the wrapped
@@ -381,8 +393,8 @@ def horovod_worker():
 
     Every Horovod detection of the package (this and the DistributedTrainer branches above)
     also keeps the exit drain registered after ``hvd.init()``'s ``atexit`` hook: see
-    `mx_lbsgd.distributed.horovod_exit` (MXNet 1.9.1 can crash or hang when Horovod shuts down at exit
-    with collectives still queued in its engine)."""
+    `mx_lbsgd.distributed.horovod_exit` (MXNet 1.9.1 can crash or hang when Horovod shuts
+    down at exit with collectives still queued in its engine)."""
     hvd = sys.modules.get('horovod.mxnet')
     if hvd is None or not hvd.is_initialized():
         return None
@@ -390,7 +402,7 @@ def horovod_worker():
     return hvd.rank(), hvd.size()
 
 
-def creating_module_worker():
+def creating_module_worker() -> tuple[int, int] | None:
     """(rank, num_workers) of the dist kvstore that ``Module.init_optimizer`` is creating
     this optimizer for, else None.
 
@@ -411,7 +423,7 @@ def creating_module_worker():
 
 # -- added for one scaler across MXNet's loaders and for the LossScaling hook ---------------
 
-def optimizer_replaced_by_unpickling():
+def optimizer_replaced_by_unpickling() -> mx.optimizer.Optimizer | None:
     """The optimizer that an ``mx.optimizer.Updater`` holds while its ``set_states`` unpickles
     another one to replace it (call from the unpickled optimizer's ``__setstate__``), else
     None.
@@ -424,9 +436,10 @@ def optimizer_replaced_by_unpickling():
     ``mxnet/optimizer/optimizer.py``)."""
     frame = sys._getframe(1)
     for _ in range(8):
-        frame = frame.f_back
-        if frame is None:
+        back = frame.f_back
+        if back is None:
             return None
+        frame = back
         if frame.f_code.co_name == 'set_states':
             updater = frame.f_locals.get('self')
             if isinstance(updater, mx.optimizer.Updater):
@@ -434,7 +447,7 @@ def optimizer_replaced_by_unpickling():
     return None
 
 
-def reduced_gradient_mean_factor(trainer):
+def reduced_gradient_mean_factor(trainer: mx.gluon.Trainer) -> float:
     """The factor that turns the gradients ``trainer.allreduce_grads()`` leaves into the mean
     over workers of each worker's gradient (summed over its devices).
 

@@ -9,6 +9,12 @@
 `checkpoint.load_states` converts such files (`strip_ledgers`); the optimizers' own
 ``__setstate__`` calls `upgrade_optimizer_state`.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Tuple
+
+if TYPE_CHECKING:
+    import mxnet as mx
 
 LEDGER_IN_STATE = (
     'these optimizer states were written by mx_lbsgd 0.1 (each state ends with its '
@@ -20,7 +26,7 @@ class Ledger:
     """The last element of every state written by mx_lbsgd 0.1: a reference to its
     optimizer. Kept so that such files unpickle."""
 
-    def __init__(self, opt=None):
+    def __init__(self, opt: mx.optimizer.Optimizer | None = None) -> None:
         self.opt = opt
 
 
@@ -33,14 +39,15 @@ class _StepGatePlaceholder:
 
 
 #: (module, name) pickled by earlier versions -> the class that reads it now
-GLOBALS = {('mx_lbsgd.lbsgd', '_Ledger'): Ledger,
-           ('mx_lbsgd._step_gate', '_StepGate'): _StepGatePlaceholder}
+GLOBALS: Dict[Tuple[str, str], type] = {
+    ('mx_lbsgd.lbsgd', '_Ledger'): Ledger,
+    ('mx_lbsgd._step_gate', '_StepGate'): _StepGatePlaceholder}
 
 _DROPPED = ('_ledger', '_token', '_adopted', '_gate', '_scratch', '_plans', 'window_phase',
             'window_position', '_kvstore_refusal', '_checked_trainer')
 
 
-def upgrade_optimizer_state(state):
+def upgrade_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer's pickled ``__dict__`` from any earlier version, in today's form."""
     state = {k: v for k, v in state.items() if k not in _DROPPED}
     state.setdefault('lazy_update', True)
@@ -49,7 +56,9 @@ def upgrade_optimizer_state(state):
     return state
 
 
-def strip_ledgers(states, progress_of):
+def strip_ledgers(states: Mapping[Any, Any],
+                  progress_of: Callable[[Any], dict[str, Any]]
+                  ) -> tuple[dict[Any, Any], dict[str, Any] | None]:
     """0.1 states without their ledgers, and the progress (`progress_of(optimizer)`) of the
     first ledger's optimizer (None when no state has a ledger)."""
     progress = None

@@ -9,19 +9,23 @@ Without the library, or with ``MX_LBSGD_NATIVE=0``, `ops` returns None and the k
 families run MXNet's own operators; ``MX_LBSGD_NATIVE=1`` makes a missing library an error
 (CI uses it to test the built path).
 """
+from __future__ import annotations
+
 import glob
 import os
+from typing import Iterable
 
 import mxnet as mx
 
 _LIBRARY_GLOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), '_native_ops*.so')
-_loaded = []      # [ops] once loading was tried; ops is None when it failed or is disabled
+# [ops] once loading was tried; ops is None when it failed or is disabled
+_loaded: list[_Ops | None] = []
 
 
 class _Ops:
     """The loaded operators, as ``mx.nd`` functions."""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = path
         self.sum_sq = mx.nd.mx_lbsgd_sum_sq
         self.all_finite = mx.nd.mx_lbsgd_all_finite
@@ -30,7 +34,7 @@ class _Ops:
         self.accumulate = mx.nd.mx_lbsgd_accumulate
 
 
-def native_library():
+def native_library() -> str | None:
     """The path of the native CPU operators in use (loaded on this call if need be), or None
     when ``pip install`` could not build them or ``MX_LBSGD_NATIVE=0`` turns them off; then
     every optimizer runs MXNet's own operators."""
@@ -38,17 +42,17 @@ def native_library():
     return None if loaded is None else loaded.path
 
 
-def attribute_list(values):
+def attribute_list(values: Iterable[float]) -> str:
     """Numbers as an operator attribute: comma-separated, each exact (repr of a float)."""
     return ','.join(repr(float(v)) for v in values)
 
 
-def _library_path():
+def _library_path() -> str | None:
     found = sorted(glob.glob(_LIBRARY_GLOB))
     return found[0] if found else None
 
 
-def ops():
+def ops() -> _Ops | None:
     """The native operators, loaded once per process, or None (not built, or disabled by
     ``MX_LBSGD_NATIVE=0``). Loading re-registers MXNet's Python operator functions (about
     half a second, once)."""
@@ -57,7 +61,7 @@ def ops():
     return _loaded[0]
 
 
-def _load():
+def _load() -> _Ops | None:
     setting = os.environ.get('MX_LBSGD_NATIVE', '')
     if setting not in ('', '0', '1'):
         raise ValueError("MX_LBSGD_NATIVE must be '0' (MXNet's operators), '1' (the native "

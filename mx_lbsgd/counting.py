@@ -1,6 +1,9 @@
 """Counting host syncs and kernel launches, for tests and benchmarks: a claim such as "one
 host read per loss-scaled step" is checked by counting, not by timing."""
+from __future__ import annotations
+
 import contextlib
+from typing import Any, Callable, Iterator
 
 import mxnet as mx
 
@@ -13,15 +16,16 @@ _METHODS = [(mx.nd.NDArray, 'asnumpy'), (mx.nd.NDArray, 'asscalar'),
 
 
 @contextlib.contextmanager
-def count_host_syncs(include_waitall=True):
+def count_host_syncs(include_waitall: bool = True) -> Iterator[list[str]]:
     """Yields a list that receives the name of every host sync made inside the block
     (the outermost call only: `asscalar` calling `asnumpy` counts once)."""
-    calls = []
+    calls: list[str] = []
     depth = [0]
     targets = _METHODS + ([(mx.nd, 'waitall')] if include_waitall else [])
     originals = [(owner, name, getattr(owner, name)) for owner, name in targets]
     for owner, name, original in originals:
-        def counting(*args, _original=original, _name=name, **kwargs):
+        def counting(*args: Any, _original: Callable[..., Any] = original, _name: str = name,
+                     **kwargs: Any) -> Any:
             if not depth[0]:
                 calls.append(_name)
             depth[0] += 1
@@ -38,10 +42,10 @@ def count_host_syncs(include_waitall=True):
 
 
 @contextlib.contextmanager
-def count_kernel_launches():
+def count_kernel_launches() -> Iterator[list[Any]]:
     """Yields a list that receives one entry per MXNet operator call (one engine push,
     a kernel launch on GPU) made through mx.nd inside the block."""
-    calls = []
+    calls: list[Any] = []          # one operator handle per call
     undo = _compat.patch_operator_invoke(calls.append)
     try:
         yield calls

@@ -1,4 +1,6 @@
 """Warmup learning-rate schedulers for any MXNet optimizer."""
+from __future__ import annotations
+
 import mxnet as mx
 
 from ._checks import check_choice, check_int, check_real
@@ -19,8 +21,10 @@ class WarmupScheduler(mx.lr_scheduler.LRScheduler):
     d = (1 - p)**power ('poly'), (1 + cos(pi p)) / 2 ('cosine') or 1 (decay=None).
     """
 
-    def __init__(self, base_lr=0.01, warmup_steps=0, strategy='linear', warmup_begin_lr=0.0,
-                 decay=None, max_update=None, final_lr=0.0, power=2.0):
+    def __init__(self, base_lr: float = 0.01, warmup_steps: int = 0, strategy: str = 'linear',
+                 warmup_begin_lr: float = 0.0, decay: str | None = None,
+                 max_update: int | None = None, final_lr: float = 0.0,
+                 power: float = 2.0) -> None:
         check_choice('strategy', strategy, tuple(WARMUP_SHAPES))
         check_choice('decay', decay, (None, 'poly', 'cosine'))
         check_int('warmup_steps', warmup_steps, 0)
@@ -42,10 +46,13 @@ class WarmupScheduler(mx.lr_scheduler.LRScheduler):
         self.final_lr = final_lr
         self.power = power
 
-    def __call__(self, num_update):
+    def __call__(self, num_update: int) -> float:
         if num_update < self.warmup_steps:
             frac = warmup_fraction(num_update, self.warmup_steps, self.strategy)
             return self.warmup_begin_lr + (self.base_lr - self.warmup_begin_lr) * frac
-        keep = decay_fraction(num_update, self.warmup_steps, self.max_update, self.decay,
+        # max_update is None only with decay None, where decay_fraction returns 1 without
+        # reading it
+        keep = decay_fraction(num_update, self.warmup_steps,
+                              self.max_update, self.decay,  # type: ignore[arg-type]
                               self.power)
         return self.final_lr + (self.base_lr - self.final_lr) * keep

@@ -16,10 +16,13 @@ Horovod, the worker checks of overflow reports and the noise-scale monitor), and
 again at each later Trainer binding or optimizer creation, so that it stays after the hook of
 an ``hvd.init()`` called again in between.
 """
+from __future__ import annotations
+
 import atexit
 import os
 import sys
 import threading
+from typing import Any
 
 import mxnet as mx
 
@@ -35,7 +38,7 @@ _FAILED_TIMEOUT = 5.0
 _registered = [False]
 
 
-def install(refresh=False):
+def install(refresh: bool = False) -> None:
     """Register the drain with ``atexit`` (once), so that it runs before every
     ``hvd.shutdown`` registered so far. `refresh`: register it again even if it was (moved
     to the front of the LIFO order, after an ``hvd.init()`` called since); for the rare call
@@ -48,7 +51,7 @@ def install(refresh=False):
     _registered[0] = True
 
 
-def _timeout(failed):
+def _timeout(failed: bool) -> float:
     raw = os.environ.get(_TIMEOUT_ENV)
     try:
         value = float(raw) if raw else _DEFAULT_TIMEOUT
@@ -59,7 +62,7 @@ def _timeout(failed):
     return min(value, _FAILED_TIMEOUT) if failed else value
 
 
-def _flush():
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -67,7 +70,7 @@ def _flush():
             pass
 
 
-def drain_at_exit():
+def drain_at_exit() -> None:
     """atexit hook: ``mx.nd.waitall()`` in a helper thread, bounded by the timeout. On time
     out (a peer gone, a collective nobody else runs), print why and end the process with
     status 1 before Horovod's and MXNet's exit hooks, which would crash or hang on the
@@ -76,9 +79,9 @@ def drain_at_exit():
     # sys.last_value: set by the interpreter when an uncaught exception ended the script
     failed = getattr(sys, 'last_value', None) is not None
     timeout = _timeout(failed)
-    outcome = {}
+    outcome: dict[str, Any] = {}       # 'error': the exception, 'done': True
 
-    def wait():
+    def wait() -> None:
         try:
             mx.nd.waitall()
         except Exception as err:        # an async op's stored error (MXNetError, ...)

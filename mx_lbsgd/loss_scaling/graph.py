@@ -9,21 +9,46 @@ copied: that has no global effect). Backward runs before the optimizer reads the
 flag and updates the scale; the optimizer divides by the scale of the scaler that was served
 when backward ran.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple, overload
+
 import mxnet as mx
 
+if TYPE_CHECKING:
+    from .scaler import DynamicLossScaler
+
 _OP_TYPE = 'mx_lbsgd_scale_gradient'
-_SCALERS = {}
+_SCALERS: Dict[str, DynamicLossScaler] = {}
+#: (argument, output, auxiliary) shapes or dtypes, as CustomOpProp's infer_* return them
+_Inferred = Tuple[List[Any], List[Any], List[Any]]
 
 
-def serve(key, scaler):
+def serve(key: str, scaler: DynamicLossScaler) -> None:
     _SCALERS[key] = scaler
 
 
-def served(key, default=None):
+@overload
+def served(key: str) -> DynamicLossScaler | None:
+    ...
+
+
+@overload
+def served(key: str, default: DynamicLossScaler) -> DynamicLossScaler:
+    ...
+
+
+@overload
+def served(key: str, default: DynamicLossScaler | None) -> DynamicLossScaler | None:
+    ...
+
+
+def served(key: str, default: DynamicLossScaler | None = None) -> DynamicLossScaler | None:
     return _SCALERS.get(key, default)
 
 
-def scale_gradient(data, key='default', name=None):
+def scale_gradient(data: mx.sym.Symbol, key: str = 'default',
+                   name: str | None = None) -> mx.sym.Symbol:
     """Identity in forward; multiplies the gradient by the loss scale in backward.
 
     Put it on the network's output, before the loss layer::
@@ -37,14 +62,17 @@ def scale_gradient(data, key='default', name=None):
 
 
 class _ScaleGradient(mx.operator.CustomOp):
-    def __init__(self, key):
+    def __init__(self, key: str) -> None:
         super().__init__()
         self.key = key
 
-    def forward(self, is_train, req, in_data, out_data, aux):
+    def forward(self, is_train: bool, req: list[str], in_data: list[mx.nd.NDArray],
+                out_data: list[mx.nd.NDArray], aux: list[mx.nd.NDArray]) -> None:
         self.assign(out_data[0], req[0], in_data[0])
 
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+    def backward(self, req: list[str], out_grad: list[mx.nd.NDArray],
+                 in_data: list[mx.nd.NDArray], out_data: list[mx.nd.NDArray],
+                 in_grad: list[mx.nd.NDArray], aux: list[mx.nd.NDArray]) -> None:
         scaler = _SCALERS.get(self.key)
         if scaler is None:
             raise RuntimeError("scale_gradient(key=%r): no loss-scaled optimizer serves this "
@@ -55,21 +83,23 @@ class _ScaleGradient(mx.operator.CustomOp):
 
 @mx.operator.register(_OP_TYPE)
 class _ScaleGradientProp(mx.operator.CustomOpProp):
-    def __init__(self, key='default'):
+    def __init__(self, key: str = 'default') -> None:
         super().__init__(need_top_grad=True)
         self.key = key
 
-    def list_arguments(self):
+    def list_arguments(self) -> list[str]:
         return ['data']
 
-    def infer_shape(self, in_shape):
+    def infer_shape(self, in_shape: list[list[int]]) -> _Inferred:
         return in_shape, [in_shape[0]], []
 
-    def infer_type(self, in_type):
+    def infer_type(self, in_type: list[Any]) -> _Inferred:
         return in_type, [in_type[0]], []
 
-    def declare_backward_dependency(self, out_grad, in_data, out_data):
+    def declare_backward_dependency(self, out_grad: list[int], in_data: list[int],
+                                    out_data: list[int]) -> list[int]:
         return [out_grad[0]]
 
-    def create_operator(self, ctx, shapes, dtypes):
+    def create_operator(self, ctx: mx.Context, shapes: list[list[int]],
+                        dtypes: list[Any]) -> _ScaleGradient:
         return _ScaleGradient(self.key)

@@ -27,10 +27,13 @@ raise once the minimum is reached)::
     `take_alert()` hands over (the optimizers and `LossScaling` warn with the parameters that
     overflowed most; a bare scaler only keeps it)
 """
+from __future__ import annotations
+
 import collections
 import logging
 import math
 import warnings
+from typing import Any, Deque, Mapping
 
 from .._checks import check_choice, check_int, check_real
 
@@ -77,11 +80,13 @@ class DynamicLossScaler:
     _STATE = ('scale', 'num_good_steps', 'num_bad_steps', 'total_skipped', 'total_steps',
               'stuck_steps')
 
-    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, hysteresis=1, consecutive_hysteresis=False,
-                 min_scale=1.0, max_scale=2.0 ** 24, dynamic=True, enabled=True,
-                 stuck_patience=100, on_stuck='warn', warn_backoffs=8,
-                 warn_skip_fraction=0.05, warn_window=1000):
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
+                 consecutive_hysteresis: bool = False, min_scale: float = 1.0,
+                 max_scale: float = 2.0 ** 24, dynamic: bool = True, enabled: bool = True,
+                 stuck_patience: int = 100, on_stuck: str = 'warn',
+                 warn_backoffs: int | None = 8, warn_skip_fraction: float | None = 0.05,
+                 warn_window: int = 1000) -> None:
         check_real('init_scale', init_scale, 0.0, math.inf, open_min=True, open_max=True)
         check_real('growth_factor', growth_factor, 1.0, math.inf, open_min=True, open_max=True)
         check_real('backoff_factor', backoff_factor, 0.0, 1.0, open_min=True, open_max=True)
@@ -120,7 +125,7 @@ class DynamicLossScaler:
         self.warn_window = int(warn_window)
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         self._scale = self.init_scale if self.enabled else 1.0
         self.num_good_steps = 0      # finite steps since the last scale change or overflow
         self.num_bad_steps = 0       # overflow steps counted towards hysteresis
@@ -129,21 +134,21 @@ class DynamicLossScaler:
         self.stuck_steps = 0         # consecutive overflow steps at min_scale
         self._reset_warning()
 
-    def _reset_warning(self):
+    def _reset_warning(self) -> None:
         """The early warning's state (not in state_dict: it restarts with a resumed run)."""
         self.backoffs_since_growth = 0
         self._scale_at_growth = self._scale
-        self._recent = collections.deque(maxlen=self.warn_window)
+        self._recent: Deque[bool] = collections.deque(maxlen=self.warn_window)
         self._recent_skipped = 0
         self._descent_warned = self._chronic_warned = False
-        self._alert = None
+        self._alert: str | None = None
 
     @property
-    def scale(self):
+    def scale(self) -> float:
         """The current loss scale (1.0 when disabled)."""
         return self._scale
 
-    def update(self, found_overflow):
+    def update(self, found_overflow: bool) -> bool:
         """Account one step; returns True when the step is to be applied, False to skip."""
         if not self.enabled:
             return True
@@ -182,14 +187,14 @@ class DynamicLossScaler:
                 self._descent_warned = False
         return True
 
-    def _set_scale(self, new, why):
+    def _set_scale(self, new: float, why: str) -> None:
         if new != self._scale:
             _log.info('loss scale %g -> %g (%s)', self._scale, new, why)
         self._scale = new
         self.num_good_steps = 0
         self.num_bad_steps = 0
 
-    def _check_stuck(self):
+    def _check_stuck(self) -> None:
         if self._scale > self.min_scale and self.dynamic:
             return
         self.stuck_steps += 1
@@ -203,11 +208,11 @@ class DynamicLossScaler:
         if self.stuck_steps == self.stuck_patience:
             warnings.warn(message, RuntimeWarning)
 
-    def _chronic(self):
+    def _chronic(self) -> bool:
         return (self.warn_skip_fraction is not None and len(self._recent) == self.warn_window
                 and self._recent_skipped >= self.warn_skip_fraction * self.warn_window)
 
-    def _check_falling(self):
+    def _check_falling(self) -> None:
         backoffs = self.backoffs_since_growth
         if (self.warn_backoffs is not None and not self._descent_warned and self.dynamic
                 and (backoffs >= self.warn_backoffs
@@ -219,11 +224,13 @@ class DynamicLossScaler:
                                                self.min_scale))
         elif not self._chronic_warned and self._chronic():
             self._chronic_warned = True
+            # _chronic() holds only with a warn_skip_fraction (not None)
             self._alert = ('%d of the last %d steps skipped (warn_skip_fraction %g); loss '
-                           'scale %g' % (self._recent_skipped, self.warn_window,
-                                         self.warn_skip_fraction, self._scale))
+                           'scale %g' % (self._recent_skipped,  # type: ignore[str-format]
+                                         self.warn_window, self.warn_skip_fraction,
+                                         self._scale))
 
-    def take_alert(self):
+    def take_alert(self) -> str | None:
         """The early warning's text once it fired (then None until it fires again)."""
         alert, self._alert = self._alert, None
         return alert
@@ -231,18 +238,18 @@ class DynamicLossScaler:
     _WARNING_STATE = ('backoffs_since_growth', '_scale_at_growth', '_recent', '_recent_skipped',
                       '_descent_warned', '_chronic_warned', '_alert')
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         # the early warning restarts after a copy or a checkpoint, which holds plain values
         return {k: v for k, v in self.__dict__.items() if k not in self._WARNING_STATE}
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
         self.__dict__.update(state)
         for key, default in (('warn_backoffs', 8), ('warn_skip_fraction', 0.05),
                              ('warn_window', 1000)):     # pickled before these existed
             self.__dict__.setdefault(key, default)
         self._reset_warning()
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, dict[str, Any]]:
         """Everything needed to resume, configuration included (plain Python values)."""
         config = {k: getattr(self, k) for k in (
             'init_scale', 'growth_factor', 'backoff_factor', 'growth_interval', 'hysteresis',
@@ -252,7 +259,7 @@ class DynamicLossScaler:
         state = {k: getattr(self, '_scale' if k == 'scale' else k) for k in self._STATE}
         return {'config': config, 'state': state}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         try:
             config, state = state_dict['config'], state_dict['state']
             fresh = DynamicLossScaler(**config)       # validates the configuration
@@ -273,19 +280,20 @@ class DynamicLossScaler:
         self._scale = scale
         self.__dict__.update(counters)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return ('DynamicLossScaler(scale=%g, good=%d, bad=%d, skipped=%d/%d)'
                 % (self._scale, self.num_good_steps, self.num_bad_steps, self.total_skipped,
                    self.total_steps))
 
     @classmethod
-    def static(cls, scale):
+    def static(cls, scale: float) -> DynamicLossScaler:
         """A fixed scale that still skips overflow steps."""
         return cls(init_scale=scale, min_scale=min(1.0, scale), max_scale=max(scale, 2.0 ** 24),
                    dynamic=False)
 
 
-def as_scaler(value, name='loss_scaler'):
+def as_scaler(value: DynamicLossScaler | float | None,
+              name: str = 'loss_scaler') -> DynamicLossScaler:
     """A DynamicLossScaler from an instance, a float (static scale) or None (defaults)."""
     if value is None:
         return DynamicLossScaler()
