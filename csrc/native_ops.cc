@@ -82,14 +82,15 @@ void narrow(const float* x, _Float16* y, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] = static_cast<_Float16>(x[k]);
 }
 
-// the n comma-separated numbers of attribute `key`, or false
-bool parse_list(const Attrs& attrs, const char* key, size_t n, std::vector<double>* out) {
+// the n comma-separated numbers of attribute `key` of operator `op` (named in the error),
+// or false
+bool parse_list(const char* op, const Attrs& attrs, const char* key, size_t n,
+                std::vector<double>* out) {
   std::stringstream in(attrs.at(key));
   std::string item;
   while (std::getline(in, item, ',')) out->push_back(std::strtod(item.c_str(), nullptr));
   if (out->size() == n) return true;
-  MX_ERROR_MSG << "mx_lbsgd_lamb_update: " << key << " needs " << n << " values, got "
-               << out->size();
+  MX_ERROR_MSG << op << ": " << key << " needs " << n << " values, got " << out->size();
   return false;
 }
 
@@ -276,7 +277,9 @@ MXReturnValue sgd_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   const SgdLayout l = sgd_layout(attrs);
   const size_t n = l.n;
   std::vector<double> lrs, wds;
-  if (!parse_list(attrs, "lrs", n, &lrs) || !parse_list(attrs, "wds", n, &wds)) return MX_FAIL;
+  const char* op = "mx_lbsgd_sgd_update";
+  if (!parse_list(op, attrs, "lrs", n, &lrs) || !parse_list(op, attrs, "wds", n, &wds))
+    return MX_FAIL;
   SgdHyper h;
   h.momentum = std::stof(attrs.at("momentum"));
   h.rescale = std::stof(attrs.at("rescale_grad"));
@@ -461,8 +464,9 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   const bool mp = lamb_arrays(attrs) == 5;
   const size_t n = in->size() / lamb_arrays(attrs);
   std::vector<double> lrs, wds, steps, applies;
-  if (!parse_list(attrs, "lrs", n, &lrs) || !parse_list(attrs, "wds", n, &wds) ||
-      !parse_list(attrs, "steps", n, &steps) || !parse_list(attrs, "applies", n, &applies))
+  const char* op = "mx_lbsgd_lamb_update";
+  if (!parse_list(op, attrs, "lrs", n, &lrs) || !parse_list(op, attrs, "wds", n, &wds) ||
+      !parse_list(op, attrs, "steps", n, &steps) || !parse_list(op, attrs, "applies", n, &applies))
     return MX_FAIL;
   LambHyper h;
   h.beta1 = std::stof(attrs.at("beta1"));
