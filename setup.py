@@ -65,7 +65,10 @@ setup(
     name='mx_lbsgd',
     version='0.1.0',
     description='Fast, correct large-batch and mixed-precision SGD for Apache MXNet 1.9.1',
-    packages=find_packages(include=['mx_lbsgd', 'mx_lbsgd.*']),
+    # the library, and apart from it the command (mx_lbsgd_demo) and the benchmarks
+    # (mx_lbsgd_bench): the library never imports them, they use its public API only
+    packages=find_packages(include=['mx_lbsgd', 'mx_lbsgd.*', 'mx_lbsgd_demo',
+                                    'mx_lbsgd_demo.*', 'mx_lbsgd_bench', 'mx_lbsgd_bench.*']),
     ext_modules=native_extensions(),
     cmdclass={'build_ext': BuildExtIntoTheCheckoutToo},
     python_requires='>=3.8',
@@ -73,7 +76,8 @@ setup(
     extras_require={
         'demo': DEMO_REQUIRES,
         # the tests run the demos end to end
-        'test': ['pytest>=7', 'coverage>=5'] + DEMO_REQUIRES,
+        # radon and mypy: the code-shape test (tests/test_code_shape.py) and CI's type check
+        'test': ['pytest>=7', 'coverage>=5', 'radon>=5', 'mypy>=1.0'] + DEMO_REQUIRES,
     },
-    entry_points={'console_scripts': ['mx-lbsgd = mx_lbsgd.demo.cli:main']},
+    entry_points={'console_scripts': ['mx-lbsgd = mx_lbsgd_demo.cli:main']},
 )

@@ -1,11 +1,11 @@
 """``python benchmarks/bench_loss_scale.py ARGS`` runs
-``python -m mx_lbsgd.demo.bench_loss_scale ARGS``: this script only wraps the package's
-module (whose docstring and --help say more)."""
+``python -m mx_lbsgd_bench.bench_loss_scale ARGS``: this script only wraps the module of the
+mx_lbsgd_bench package (whose docstring and --help say more)."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # checkout
-from mx_lbsgd.demo.bench_loss_scale import main  # noqa: E402
+from mx_lbsgd_bench.bench_loss_scale import main  # noqa: E402
 
 if __name__ == '__main__':
     main()

@@ -151,7 +151,7 @@ class Soak:
         return [('dist', name, kind, sec, code, out, note)]
 
     def mlm(self, native, tmp):
-        base = [sys.executable, '-m', 'mx_lbsgd', 'mlm', '--horovod'] + mlm_argv()
+        base = [sys.executable, '-m', 'mx_lbsgd_demo', 'mlm', '--horovod'] + mlm_argv()
         stopped = os.path.join(tmp, 'resumed', 'checkpoints', 'micro-batch-0000008')
         steps = [('mlm-straight', ['--out', os.path.join(tmp, 'straight')]),
                  ('mlm-stop-after-8', ['--out', os.path.join(tmp, 'resumed'),

@@ -6,8 +6,8 @@ import mxnet as mx
 import numpy as np
 
 import mx_lbsgd  # noqa: F401  (registers 'lbsgd')
-from mx_lbsgd.demo.data import load_digits
-from mx_lbsgd.demo.models import mlp as _demo_mlp
+from digits_mlp import load_digits
+from digits_mlp import mlp as _mlp
 
 SHAPES = [(7, 5), (5,), (3, 4, 2, 2), (1,), (11,), (4, 4)]
 NAMES = ['fc0_weight', 'fc0_bias', 'conv0_weight', 'bn0_gamma', 'bn0_beta', 'fc1_weight']
@@ -37,14 +37,15 @@ def run_optimizer(opt, weights, grads, dtype, ctx=mx.cpu(), read=True):
 
 def digits(test_fraction=0.25, seed=0):
     """scikit-learn's bundled 8x8 digits: (x_train, y_train, x_test, y_test), x in [0, 1]
-    (the demo's data, mx_lbsgd.demo.data.load_digits)."""
+    (the demo's data: digits_mlp.load_digits, a copy of mx_lbsgd_demo.data.load_digits)."""
     return load_digits(seed, test_fraction)
 
 
 def mlp(hidden=64, seed=0):
-    """The demo's float32 MLP (mx_lbsgd.demo.models.mlp) with one hidden layer: 64 ->
-    hidden -> 10, parameters dense0_weight, dense0_bias, dense1_weight, dense1_bias."""
-    return _demo_mlp((hidden,), seed=seed)
+    """The demo's float32 MLP (digits_mlp.mlp, a copy of mx_lbsgd_demo.models.mlp) with one
+    hidden layer: 64 -> hidden -> 10, parameters dense0_weight, dense0_bias, dense1_weight,
+    dense1_bias."""
+    return _mlp((hidden,), seed=seed)
 
 
 def accuracy(net, x, y):

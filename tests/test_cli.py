@@ -1,4 +1,4 @@
-"""End to end tests of the ``mx-lbsgd`` command (mx_lbsgd.demo.cli)."""
+"""End to end tests of the ``mx-lbsgd`` command (mx_lbsgd_demo.cli)."""
 import csv
 import json
 import math
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from mx_lbsgd.demo.cli import main
+from mx_lbsgd_demo.cli import main
 from reference import warmup_multiplier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,7 +199,7 @@ def test_bad_arguments_exit_2_with_one_line(argv, words, capsys, tmp_path):
 
 
 def test_subprocess_errors_have_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'train', '--batch-size', '0'],
+    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd_demo', 'train', '--batch-size', '0'],
                           cwd=str(tmp_path), env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 2
@@ -252,7 +252,7 @@ def bench_calls(monkeypatch):
     """The benchmark module and arguments `mx-lbsgd bench` would run (nothing runs)."""
     seen = {}
     for name in ('bench_step', 'bench_loss_scale', 'bench_shapes'):
-        monkeypatch.setattr('mx_lbsgd.demo.%s.main' % name,
+        monkeypatch.setattr('mx_lbsgd_bench.%s.main' % name,
                             lambda argv, prog=None, _name=name: seen.update(
                                 module=_name, argv=argv, prog=prog))
     return seen
@@ -300,12 +300,12 @@ def test_bench_sub_help_names_the_command(flags, prog, capsys):
 def test_bench_help_says_what_runs(capsys):
     assert main(['bench', '--help']) == 0
     text = ' '.join(capsys.readouterr().out.split())
-    assert 'By default runs mx_lbsgd.demo.bench_shapes' in text
+    assert 'By default runs mx_lbsgd_bench.bench_shapes' in text
     assert '--step' in text and 'superseded' in text
 
 
 def test_train_help_describes_every_panel_of_training_png(capsys):
-    from mx_lbsgd.demo.plots import TRAINING_PANELS
+    from mx_lbsgd_demo.plots import TRAINING_PANELS
     assert main(['train', '--help']) == 0
     text = ' '.join(capsys.readouterr().out.split())
     png = text[text.index('training.png ('):text.index(') to --out')]
@@ -322,7 +322,7 @@ def test_bench_script_argument_error_passes_through(capsys):
 
 
 # -- every command from the installed package, away from the source checkout --------------
-#: Runs ``python -m mx_lbsgd ARGV`` as the installed ``mx-lbsgd`` would, failing on any
+#: Runs ``python -m mx_lbsgd_demo ARGV`` as the installed ``mx-lbsgd`` would, failing on any
 #: file opened or imported from the checkout's benchmarks/ folder.
 AWAY_FROM_CHECKOUT = textwrap.dedent('''
     import os, runpy, sys
@@ -334,7 +334,7 @@ AWAY_FROM_CHECKOUT = textwrap.dedent('''
             raise RuntimeError('opened %s' % args[0])
     sys.addaudithook(refuse)
     sys.argv = ['mx-lbsgd'] + sys.argv[2:]
-    runpy.run_module('mx_lbsgd', run_name='__main__', alter_sys=True)
+    runpy.run_module('mx_lbsgd_demo', run_name='__main__', alter_sys=True)
 ''')
 
 INSTALLED_COMMANDS = [
@@ -387,11 +387,11 @@ def test_launch_delegates(monkeypatch):
 
 def test_train_dist_sync_two_workers_rank0_writes(tmp_path):
     out = tmp_path / 'dist'
-    worker = [sys.executable, '-m', 'mx_lbsgd', 'train', '--single', '--kvstore',
+    worker = [sys.executable, '-m', 'mx_lbsgd_demo', 'train', '--single', '--kvstore',
               'dist_sync', '--epochs', '1', '--no-steps', '--out', str(out)]
     # generous bounds, not deadlines: the job ends by itself in ~1 min when idle, and
     # took 80 s alone and more at load average 12 on 2 cores
-    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'launch', '-n', '2',
+    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd_demo', 'launch', '-n', '2',
                            '--timeout', '900', '--'] + worker, cwd=str(tmp_path),
                           env=_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -424,7 +424,7 @@ def _block_modules(monkeypatch, names):
 def _no_training(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError('training started')
-    monkeypatch.setattr('mx_lbsgd.demo.train.train', refuse)
+    monkeypatch.setattr('mx_lbsgd_demo.train.train', refuse)
 
 
 def _demo_error(err, prog, *missing):
@@ -486,8 +486,8 @@ def test_import_needs_no_demo_extra(tmp_path):
     code = textwrap.dedent('''
         import sys
         sys.modules.update(sklearn=None, matplotlib=None, tqdm=None)
-        import mx_lbsgd, mx_lbsgd.demo.cli, mx_lbsgd.demo.train, mx_lbsgd.demo.study
-        from mx_lbsgd.demo.cli import main
+        import mx_lbsgd, mx_lbsgd_demo.cli, mx_lbsgd_demo.train, mx_lbsgd_demo.study
+        from mx_lbsgd_demo.cli import main
         assert main(['schedule', '--steps', '2']) == 0
         assert main(['train', '--help']) == 0
         for name in ('sklearn', 'matplotlib', 'tqdm'):
@@ -548,7 +548,7 @@ def test_train_writable_out_check_leaves_nothing(monkeypatch, tmp_path):
     def stop(cfg, **callbacks):
         seen.append(sorted(p.name for p in tmp_path.iterdir()))
         raise KeyboardInterrupt
-    monkeypatch.setattr('mx_lbsgd.demo.train.train', stop)
+    monkeypatch.setattr('mx_lbsgd_demo.train.train', stop)
     assert main(['train', '--out', str(tmp_path / 'new' / 'run')]) == 130
     assert seen == [[]]
 
@@ -556,7 +556,7 @@ def test_train_writable_out_check_leaves_nothing(monkeypatch, tmp_path):
 # -- the warmup strategies come from mx_lbsgd.schedules --------------------------------------
 def test_warmup_strategy_choices_read_the_registry(monkeypatch, capsys):
     from mx_lbsgd import schedules
-    from mx_lbsgd.demo import schedule_command, train_command
+    from mx_lbsgd_demo import schedule_command, train_command
     assert schedule_command.SHAPES == tuple(schedules.WARMUP_SHAPES)
     action = next(a for a in train_command._parser()._actions
                   if '--warmup-strategy' in a.option_strings)

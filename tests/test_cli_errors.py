@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from mx_lbsgd.demo import args as demo_args
-from mx_lbsgd.demo import bench_loss_scale, bench_shapes, bench_step, study
-from mx_lbsgd.demo.cli import main
+from mx_lbsgd_bench import bench_loss_scale, bench_shapes, bench_step
+from mx_lbsgd_demo import args as demo_args
+from mx_lbsgd_demo import study
+from mx_lbsgd_demo.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNWRITABLE = '/proc/mx-lbsgd-test/x'       # /proc refuses new files, even to root
@@ -33,7 +34,7 @@ def no_work(monkeypatch):
                          (bench_shapes, 'sweep'), (bench_shapes, 'resnet'),
                          (bench_shapes, 'loss_scale'), (study, 'run_many')):
         monkeypatch.setattr(module, name, refuse)
-    monkeypatch.setattr('mx_lbsgd.demo.train.train', refuse)
+    monkeypatch.setattr('mx_lbsgd_demo.train.train', refuse)
     monkeypatch.setattr('mx_lbsgd.launch.launch', refuse)
 
 
@@ -115,7 +116,7 @@ def test_schedule_plot_error_after_the_table(tmp_path, monkeypatch, capsys):
     error is one line naming --plot."""
     def fail(*args):
         raise PermissionError(13, 'Permission denied')
-    monkeypatch.setattr('mx_lbsgd.demo.plots.plot_schedule', fail)
+    monkeypatch.setattr('mx_lbsgd_demo.plots.plot_schedule', fail)
     png = tmp_path / 'w.png'
     assert main(['schedule', '--warmup-steps', '4', '--batch-scale', '2', '--plot',
                  str(png)]) == 2
@@ -132,7 +133,7 @@ def test_writable_file_check_leaves_nothing(tmp_path):
 
 def test_unwritable_out_before_training_from_a_process(tmp_path):
     """The installed command, in a process: study --tiny --out /proc/... fails at once."""
-    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'study', '--tiny', '--out',
+    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd_demo', 'study', '--tiny', '--out',
                            UNWRITABLE], cwd=str(tmp_path), capture_output=True, text=True,
                           timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2
@@ -161,7 +162,7 @@ def test_benchmark_scripts_check_their_arguments_first(module, argv, words, caps
     """The benchmarks run as scripts (python benchmarks/X.py): the same one-line errors
     before any work (--rounds 0 divided by zero or took a median of nothing)."""
     import importlib
-    main_ = importlib.import_module('mx_lbsgd.demo.' + module).main
+    main_ = importlib.import_module('mx_lbsgd_bench.' + module).main
     with pytest.raises(SystemExit) as exit_:
         main_(argv)
     assert exit_.value.code == 2

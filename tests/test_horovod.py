@@ -159,7 +159,7 @@ def test_mx_lbsgd_train_under_horovodrun(tmp_path):
         os.path.dirname(os.path.dirname(WORKER)), os.environ.get('PYTHONPATH')])))
     out = tmp_path / 'run'
     proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
-                       sys.executable, '-m', 'mx_lbsgd', 'train', '--kvstore', 'horovod',
+                       sys.executable, '-m', 'mx_lbsgd_demo', 'train', '--kvstore', 'horovod',
                        '--epochs', '3', '--batch-scale', '2', '--out', str(out)],
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                       timeout=180, env=env, cwd=str(tmp_path))

@@ -5,7 +5,7 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 import mx_lbsgd
-from mx_lbsgd.demo.models import mlp
+from digits_mlp import mlp
 from harness import digits
 
 X, Y, XT, YT = digits()

@@ -1,4 +1,4 @@
-"""``mx-lbsgd mlm``: BERT-style masked-LM pre-training with lblamb (mx_lbsgd.demo.mlm).
+"""``mx-lbsgd mlm``: BERT-style masked-LM pre-training with lblamb (mx_lbsgd_demo.mlm).
 
 Tiny models throughout: each run takes seconds on 2 cores."""
 import json
@@ -13,8 +13,8 @@ import pytest
 import mxnet as mx
 import mx_lbsgd
 from mx_lbsgd import checkpoint
-from mx_lbsgd.demo import mlm
-from mx_lbsgd.demo.cli import main
+from mx_lbsgd_demo import mlm
+from mx_lbsgd_demo.cli import main
 from harness import horovodrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +127,7 @@ def test_resume_in_a_new_process_is_bit_for_bit(tmp_path, straight, stop_after):
     names = sorted(os.listdir(str(stopped)))
     assert names == (['model.params', 'progress.json', 'trainer.rank0.states']
                      if stop_after % 3 else ['model.params', 'progress.json', 'trainer.states'])
-    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd', 'mlm'] + RESUME_BASE
+    proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd_demo', 'mlm'] + RESUME_BASE
                           + ['--out', str(tmp_path), '--resume', str(stopped)],
                           env=_env(), cwd=str(tmp_path), capture_output=True, text=True,
                           timeout=900)
@@ -177,7 +177,7 @@ def _horovodrun(argv, cwd):
     pytest.importorskip('horovod.mxnet', reason='horovod with MXNet support is not installed '
                                                 '(bash scripts/install_horovod.sh)')
     proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2',
-                       sys.executable, '-m', 'mx_lbsgd', 'mlm', '--horovod'] + argv,
+                       sys.executable, '-m', 'mx_lbsgd_demo', 'mlm', '--horovod'] + argv,
                       env=_env(OMP_NUM_THREADS='1'), cwd=str(cwd),
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                       timeout=900)

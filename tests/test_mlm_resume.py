@@ -36,7 +36,7 @@ def _readme_mlm_lines():
 
 
 def _mlm(cwd, argv):
-    return subprocess.run([sys.executable, '-m', 'mx_lbsgd'] + argv + SMALL, cwd=str(cwd),
+    return subprocess.run([sys.executable, '-m', 'mx_lbsgd_demo'] + argv + SMALL, cwd=str(cwd),
                           env=_env(), capture_output=True, text=True, timeout=900)
 
 

@@ -17,8 +17,8 @@ from mxnet import autograd, gluon, nd
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
 from mx_lbsgd.launch import launch
+from digits_mlp import mlp as demo_mlp
 from harness import digits, horovodrun, mlp
-from mx_lbsgd.demo.models import mlp as demo_mlp
 import noise_worker
 
 WORKER = os.path.abspath(noise_worker.__file__)

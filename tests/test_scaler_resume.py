@@ -14,7 +14,7 @@ from mxnet import autograd, gluon, nd
 
 import mx_lbsgd
 from mx_lbsgd import checkpoint
-from mx_lbsgd.demo.models import mlp
+from digits_mlp import mlp
 from harness import digits
 
 X, Y, _, _ = digits()

@@ -1,4 +1,4 @@
-"""mx-lbsgd study (mx_lbsgd.demo.study): steps to target against batch size, McCandlish's
+"""mx-lbsgd study (mx_lbsgd_demo.study): steps to target against batch size, McCandlish's
 fit (study_fit), the lr search, the outputs, the argument errors; benchmarks/study.py."""
 import json
 import math
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from mx_lbsgd.demo import study
-from mx_lbsgd.demo.cli import main
-from mx_lbsgd.demo.study_fit import fit_tradeoff, predicted_steps
+from mx_lbsgd_demo import study
+from mx_lbsgd_demo.cli import main
+from mx_lbsgd_demo.study_fit import fit_tradeoff, predicted_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,7 +149,7 @@ def test_pool_workers_exit_when_the_study_is_killed():
     code = (
         'import multiprocessing, os, signal, time\n'
         'from concurrent.futures import ProcessPoolExecutor\n'
-        'from mx_lbsgd.demo.study import _exit_with_parent\n'
+        'from mx_lbsgd_demo.study import _exit_with_parent\n'
         'if __name__ == "__main__":\n'
         '    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),\n'
         '                               initializer=_exit_with_parent,\n'

@@ -9,10 +9,10 @@ import struct
 import numpy as np
 import pytest
 
-from mx_lbsgd.demo import train as train_module
-from mx_lbsgd.demo.cli import main
-from mx_lbsgd.demo.config import DEMO_DEFAULTS, ConfigError, TrainConfig
-from mx_lbsgd.demo.train_command import _noise_scale_line
+from mx_lbsgd_demo import train as train_module
+from mx_lbsgd_demo.cli import main
+from mx_lbsgd_demo.config import DEMO_DEFAULTS, ConfigError, TrainConfig
+from mx_lbsgd_demo.train_command import _noise_scale_line
 
 NOISE_COLUMNS = ('b_simple', 'gradient_sq', 'trace_sigma')
 MEASURED_LINE = re.compile(r'^gradient noise scale B_simple ~ \S+ \(last epoch\); '

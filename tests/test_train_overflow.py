@@ -9,7 +9,7 @@ import re
 import matplotlib.figure
 import pytest
 
-from mx_lbsgd.demo.cli import main
+from mx_lbsgd_demo.cli import main
 
 PARAMETER = re.compile(r'^hybridsequential\d+_dense[0-2]_(weight|bias)$')
 KINDS = {'inf', 'nan', 'inf+nan'}

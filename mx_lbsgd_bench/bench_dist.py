@@ -29,7 +29,7 @@ dtype size, one worker's gradients; the wire carries about twice that: push + pu
 parameter server, reduce-scatter + all-gather in a ring) are counted per update, i.e. per
 window of 4 micro-batches.
 
-    python -m mx_lbsgd.demo.bench_dist [--quick] [--engines kvstore horovod] [--json F]
+    python -m mx_lbsgd_bench.bench_dist [--quick] [--engines kvstore horovod] [--json F]
     python benchmarks/bench_dist.py ...
 
 The top level starts one job per engine (``python -m mx_lbsgd.launch -n 2 -s 1`` and
@@ -47,13 +47,15 @@ import tempfile
 import time
 
 import mx_lbsgd
-from .args import Parser, check_output_option, number
+from mx_lbsgd_demo.args import Parser, check_output_option, number
 
 __all__ = ['main']
 
-#: The folder holding the mx_lbsgd package, put on the workers' PYTHONPATH (so that a
-#: source checkout that is not installed works too).
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(mx_lbsgd.__file__)))
+#: The folders holding the mx_lbsgd_bench and mx_lbsgd packages, put on the workers'
+#: PYTHONPATH (so that a source checkout that is not installed works too).
+_PACKAGE_PARENTS = list(dict.fromkeys(
+    os.path.dirname(os.path.dirname(os.path.abspath(module_file)))
+    for module_file in (__file__, mx_lbsgd.__file__)))
 
 B = 4              # batch_scale: micro-batches per update
 UNCHANGED, EVERY, IDEAL, IDEAL_SGD = ('unchanged loop', 'every micro-batch',
@@ -165,11 +167,11 @@ def _worker(args):
             self.mod.init_params(mx.init.Xavier())
             opt = mx.optimizer.create(optimizer, rescale_grad=1.0 / (batch * (
                 B if accumulate else 1)), **params)
-            self.mod.init_optimizer(kvstore=None, optimizer=hvd.DistributedOptimizer(opt))
+            # the ideal zeroes the gradients after each update: the optimizer sees them
+            self.opt = (_keeping_gradients(hvd, opt) if accumulate
+                        else hvd.DistributedOptimizer(opt))
+            self.mod.init_optimizer(kvstore=None, optimizer=self.opt)
             self.batches = [mx.io.DataBatch([x_], [y_]) for x_, y_ in data]
-            # TEMPORARY WORKAROUND (private MXNet attribute): Module has no public access to
-            # its parameter gradients, which grad_req='add' needs zeroed after each update.
-            self.grads = [g for gs in self.mod._exec_group.grad_arrays for g in gs]
             self.n_params = sum(int(np.prod(a.shape)) for a in self.mod.get_params()[0].values())
 
         def window(self):
@@ -179,7 +181,7 @@ def _worker(args):
                     self.mod.update()
             if self.accumulate:
                 self.mod.update()
-                for g in self.grads:
+                for g in self.opt.seen.values():
                     g[:] = 0
 
     variants = [Gluon(UNCHANGED, 0, 'lbsgd', dict(lb, batch_scale=B), False),
@@ -239,56 +241,95 @@ def _worker(args):
         hvd.shutdown()
 
 
+def _keeping_gradients(hvd, optimizer):
+    """``hvd.DistributedOptimizer(optimizer)`` that keeps the gradient arrays its `update`
+    is given (in ``seen``, by index): Module has no public accessor of its parameter
+    gradients, which grad_req='add' needs zeroed after each update, and passes its own
+    arrays to the optimizer."""
+
+    class SeesGradients(hvd.DistributedOptimizer):
+        def __init__(self, optimizer):
+            super().__init__(optimizer)
+            self.seen = {}
+
+        def _keep(self, index, grad):
+            if isinstance(index, (list, tuple)):
+                self.seen.update(zip(index, grad))
+            else:
+                self.seen[index] = grad
+
+        def update(self, index, weight, grad, state):
+            self._keep(index, grad)
+            super().update(index, weight, grad, state)
+
+        def update_multi_precision(self, index, weight, grad, state):
+            self._keep(index, grad)
+            super().update_multi_precision(index, weight, grad, state)
+
+    return SeesGradients(optimizer)
+
+
 def _offset_kvstore(mx, base, offset, on_reduce):
     """A view of the kvstore `base` whose keys are shifted by `offset`, so that several
     Trainers (which all number their parameters 0, 1, ...) share one dist kvstore (one
     ps-lite connection per process); `on_reduce(arrays)` sees every pushpull's gradients
-    (one worker's payload: the first device's array of each key)."""
+    (one worker's payload: the first device's array of each key).
 
-    # TEMPORARY WORKAROUND (private MXNet attributes: handle, _updater..., _is_p3): MXNet
-    # has no public way to share one dist kvstore (one ps-lite connection per process)
-    # between several Trainers under distinct keys.
-    class OffsetKVStore(mx.kv.KVStore):
-        def __init__(self):            # shares the handle; never frees it
-            self._base = base
-            self.handle = base.handle
-            self._updater = self._updater_func = self._str_updater_func = None
-            self._is_p3 = False
+    A kvstore of MXNet's public interface for custom kvstores (``mx.kv.KVStoreBase``, which
+    gluon.Trainer takes in place of a KVStore) that calls `base`'s public methods: what a
+    Trainer with ``update_on_kvstore=False`` and dense gradients uses (broadcast of the
+    initial weights, pushpull of the gradients, type, rank and num_workers)."""
 
-        def __del__(self):
-            pass
+    def shift(key):
+        if isinstance(key, (list, tuple)):
+            return [k + offset for k in key]
+        return key + offset
 
-        @staticmethod
-        def _shift(key):
-            if isinstance(key, (list, tuple)):
-                return [k + offset for k in key]
-            return key + offset
+    def first(value):
+        return value[0] if isinstance(value, (list, tuple)) else value
 
-        def init(self, key, value):
-            return super().init(self._shift(key), value)
-
+    class OffsetKVStore(mx.kv.KVStoreBase):
         def broadcast(self, key, value, out, priority=0):
-            return super().broadcast(self._shift(key), value, out, priority)
-
-        def push(self, key, value, priority=0):
-            return super().push(self._shift(key), value, priority)
-
-        def pull(self, key, out=None, priority=0, ignore_sparse=True):
-            return super().pull(self._shift(key), out, priority, ignore_sparse)
+            return base.broadcast(shift(key), value, out, priority)
 
         def pushpull(self, key, value, out=None, priority=0):
             if isinstance(key, (list, tuple)):
-                on_reduce([v[0] if isinstance(v, (list, tuple)) else v for v in value])
+                on_reduce([first(v) for v in value])
             else:
-                on_reduce([value[0] if isinstance(value, (list, tuple)) else value])
-            return super().pushpull(self._shift(key), value, out, priority)
+                on_reduce([first(value)])
+            return base.pushpull(shift(key), value, out, priority)
+
+        @staticmethod
+        def is_capable(capability):
+            return False        # no optimizer on the servers: the Trainers update
+
+        def set_optimizer(self, optimizer):
+            raise NotImplementedError('the Trainers update (update_on_kvstore=False)')
+
+        def save_optimizer_states(self, fname, dump_optimizer=False):
+            raise NotImplementedError('the Trainers hold the optimizer states')
+
+        def load_optimizer_states(self, fname):
+            raise NotImplementedError('the Trainers hold the optimizer states')
+
+        @property
+        def type(self):
+            return base.type
+
+        @property
+        def rank(self):
+            return base.rank
+
+        @property
+        def num_workers(self):
+            return base.num_workers
 
     return OffsetKVStore()
 
 
 # --------------------------------------------------------------------------- top level
 def _worker_argv(args, engine, out):
-    argv = [sys.executable, '-m', 'mx_lbsgd.demo.bench_dist', '--worker', engine, '--out', out,
+    argv = [sys.executable, '-m', 'mx_lbsgd_bench.bench_dist', '--worker', engine, '--out', out,
             '--rounds', str(args.rounds), '--windows', str(args.windows),
             '--warmup', str(args.warmup), '--batch', str(args.batch),
             '--hidden', str(args.hidden), '--layers', str(args.layers)]
@@ -302,8 +343,8 @@ def _horovodrun():
 
 def _run_job(args, engine, out):
     env = dict(os.environ, PYTHONUNBUFFERED='1',
-               PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_PARENT,
-                                                         os.environ.get('PYTHONPATH')])))
+               PYTHONPATH=os.pathsep.join(filter(None, _PACKAGE_PARENTS
+                                                 + [os.environ.get('PYTHONPATH')])))
     env.setdefault('OMP_NUM_THREADS', '1')
     if engine == 'kvstore':
         cmd = [sys.executable, '-m', 'mx_lbsgd.launch', '-n', '2', '-s', '1',

@@ -2,7 +2,7 @@
 
     mx-lbsgd bench --loss-scale [--dtypes float32 float16] [--rounds 8]
                                 [--json out.json] [--quick]
-    python -m mx_lbsgd.demo.bench_loss_scale ...  (or python benchmarks/bench_loss_scale.py)
+    python -m mx_lbsgd_bench.bench_loss_scale ...  (or python benchmarks/bench_loss_scale.py)
 
 No network: one gluon Parameter per ResNet-50 v1 trainable tensor on mx.cpu(), gradients
 filled once with normal * 1e-3 (the loss-scaled candidates get the same draw times the
@@ -47,9 +47,8 @@ from mxnet import gluon
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
-
+from mx_lbsgd_demo.args import Parser, check_output_option, number
 from . import bench_step
-from .args import Parser, check_output_option, number
 
 __all__ = ['NAMES', 'run', 'targets', 'table', 'main']
 

@@ -25,7 +25,7 @@ close the window: the finite flag the loss scaler keeps per micro-batch and the
 accumulation) is timed alone and set against the floor of reading the gradients once
 (their bytes over the read bandwidth a plain float32 sum, or MXNet's copy, reaches here).
 
-    python -m mx_lbsgd.demo.bench_window [--rounds 5] [--models small bert] [--json F]
+    python -m mx_lbsgd_bench.bench_window [--rounds 5] [--models small bert] [--json F]
     python benchmarks/bench_window.py ...
     mx-lbsgd bench --window ...
 """
@@ -39,9 +39,8 @@ from mxnet import autograd, gluon, nd
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
-
+from mx_lbsgd_demo.args import Parser, check_output_option, number
 from . import bench_step
-from .args import Parser, check_output_option, number
 from .bench_lamb import bert_shapes
 
 __all__ = ['small_shapes', 'run', 'main']

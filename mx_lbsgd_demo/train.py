@@ -1,10 +1,10 @@
 """The digits training loop behind ``mx-lbsgd train`` and ``mx-lbsgd study``.
 
-:func:`train` fits :func:`mx_lbsgd.demo.models.mlp` to the digits
-(:func:`mx_lbsgd.demo.data.load_data`) with a Gluon Trainer and returns the per-epoch and
-per-step history and the summary numbers (:mod:`mx_lbsgd.demo.summary` writes them). The
+:func:`train` fits :func:`mx_lbsgd_demo.models.mlp` to the digits
+(:func:`mx_lbsgd_demo.data.load_data`) with a Gluon Trainer and returns the per-epoch and
+per-step history and the summary numbers (:mod:`mx_lbsgd_demo.summary` writes them). The
 loss is Gluon's per-sample loss, backward of its sum, ``trainer.step(samples)``. Each epoch
-drops the last partial batch. Conventions: :mod:`mx_lbsgd.demo.config`.
+drops the last partial batch. Conventions: :mod:`mx_lbsgd_demo.config`.
 """
 import dataclasses
 import math
@@ -416,7 +416,7 @@ class _Run:
 
 
 def _result(cfg, epochs, steps, wall, run):
-    """The result dict: the summary.json keys (see mx_lbsgd.demo.summary) plus the history."""
+    """The result dict: the summary.json keys (see mx_lbsgd_demo.summary) plus the history."""
     accs = [r['test_acc'] for r in epochs]
     best = int(np.nanargmax(accs)) if not all(math.isnan(a) for a in accs) else 0
     reach = next((r['epoch'] for r in epochs if r['test_acc'] >= cfg.target), None)

@@ -10,7 +10,7 @@ drained at its end, and the cost is the median over rounds of the ratio within a
 Operator calls and host reads per micro-batch are counted too (a count does not depend on
 the machine's load, a time does).
 
-    python -m mx_lbsgd.demo.bench_noise_scale [--rounds 61] [--steps 160] [--interval 10]
+    python -m mx_lbsgd_bench.bench_noise_scale [--rounds 61] [--steps 160] [--interval 10]
                                               [--small-every K]
     python benchmarks/bench_noise_scale.py ...
 """
@@ -22,12 +22,12 @@ import mxnet as mx
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
-from .args import Parser, check_output_option, number
+from mx_lbsgd_demo.args import Parser, check_output_option, number
+from mx_lbsgd_demo.config import DEMO_DEFAULTS, TrainConfig
+from mx_lbsgd_demo.data import load_data
+from mx_lbsgd_demo.models import mlp
+from mx_lbsgd_demo.train import NOISE_SCALE_INTERVAL, build
 from .bench_step import machine, save_json
-from .config import DEMO_DEFAULTS, TrainConfig
-from .data import load_data
-from .models import mlp
-from .train import NOISE_SCALE_INTERVAL, build
 
 __all__ = ['default_config', 'run', 'main']
 

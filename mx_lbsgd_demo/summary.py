@@ -1,7 +1,7 @@
 """What ``mx-lbsgd train`` writes: metrics.csv, steps.csv (and their baseline- twins),
 summary.json and training.png.
 
-summary.json holds the result of :func:`mx_lbsgd.demo.train.train` without its history
+summary.json holds the result of :func:`mx_lbsgd_demo.train.train` without its history
 (one name per quantity), plus ``args`` (the run's TrainConfig, lr and loss_scale
 resolved), ``argv``, ``versions``, ``plots``, ``files`` and, with a baseline run,
 ``baseline`` (BASELINE_KEYS of its result and its ``args``).

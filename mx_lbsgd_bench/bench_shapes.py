@@ -2,7 +2,7 @@
 
     mx-lbsgd bench [--rounds 5] [--quick] [--dtypes float32 float16]
                    [--json F] [--plot F.png] [--only sweep|resnet|loss-scale]
-    python -m mx_lbsgd.demo.bench_shapes ...  (or python benchmarks/bench_shapes.py ...)
+    python -m mx_lbsgd_bench.bench_shapes ...  (or python benchmarks/bench_shapes.py ...)
 
 Three sections, each timed on mx.cpu() with the engine drained (mx.nd.waitall) after every
 step. Within a section the candidates take turns, round after round, in rotating order;
@@ -42,10 +42,9 @@ from mxnet import gluon
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
-
+from mx_lbsgd_demo.args import (Parser, UsageError, check_output_option, number, require_demo,
+                                require_plot_file)
 from . import bench_step
-from .args import (Parser, UsageError, check_output_option, number, require_demo,
-                   require_plot_file)
 
 __all__ = ['SECTIONS', 'sweep', 'resnet', 'loss_scale', 'report', 'main']
 

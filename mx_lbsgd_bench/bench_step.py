@@ -7,7 +7,7 @@ rounds of the ratio within a round, so that the drift of a shared machine cancel
 Host syncs and operator calls (kernel launches on a GPU) are counted per step.
 
     mx-lbsgd bench --step [--dtypes float32 float16] [--rounds 8] [--json out.json]
-    python -m mx_lbsgd.demo.bench_step ...     (or python benchmarks/bench_step.py ...)
+    python -m mx_lbsgd_bench.bench_step ...     (or python benchmarks/bench_step.py ...)
 """
 import json
 import os
@@ -21,8 +21,7 @@ import mxnet as mx
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
-
-from .args import Parser, UsageError, check_output_option, number, write_or_keep
+from mx_lbsgd_demo.args import Parser, UsageError, check_output_option, number, write_or_keep
 
 __all__ = ['resnet50_shapes', 'set_gradients', 'machine', 'save_json', 'run', 'main']
 

@@ -8,7 +8,7 @@ Host syncs are counted per step. `'lblamb'` at its defaults runs the package's n
 operator when ``pip install`` built it (``native`` in the output says whether it did);
 ``fused=True``/``False`` force MXNet's multi-tensor and per-tensor LAMB operators.
 
-    python -m mx_lbsgd.demo.bench_lamb [--rounds 5] [--dtypes float32 float16] [--json F]
+    python -m mx_lbsgd_bench.bench_lamb [--rounds 5] [--dtypes float32 float16] [--json F]
     python benchmarks/bench_lamb.py ...
 """
 import statistics
@@ -19,8 +19,8 @@ import mxnet as mx
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
-from mx_lbsgd.demo.bench_step import machine, save_json
-from .args import Parser, check_output_option, number
+from mx_lbsgd_demo.args import Parser, check_output_option, number
+from .bench_step import machine, save_json
 
 __all__ = ['bert_shapes', 'run', 'main']
 

@@ -10,7 +10,7 @@
 ``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (one line on
 stderr, ``mx-lbsgd CMD: error: ...``, never a traceback).
 
-``import mx_lbsgd.demo.cli`` needs only what ``mx_lbsgd`` needs (MXNet, NumPy):
+``import mx_lbsgd_demo.cli`` needs only what ``mx_lbsgd`` needs (MXNet, NumPy):
 scikit-learn, tqdm and matplotlib (the ``demo`` extra) are imported where used. ``train``,
 ``study`` and ``schedule --plot`` check for them after parsing their arguments and, when
 missing, print one line naming the install command and exit 2.
@@ -28,10 +28,11 @@ _COMMANDS = (
     ('mlm', 'BERT-style masked-LM pre-training with lblamb on synthetic tokens'),
     ('schedule', 'print (and plot) the warmup learning-rate multiplier of each strategy'),
     ('bench', 'optimizer step time against MXNet at every model shape (bench_shapes)'),
-    ('study', 'accuracy vs batch size per method (mx_lbsgd.demo.study)'),
+    ('study', 'accuracy vs batch size per method (mx_lbsgd_demo.study)'),
     ('launch', 'run a local dist_sync job (mx_lbsgd.launch)'),
 )
-#: ``mx-lbsgd bench`` flag -> the module whose main(argv, prog) it runs (default: bench_shapes).
+#: ``mx-lbsgd bench`` flag -> the module of mx_lbsgd_bench whose main(argv, prog) it runs
+#: (default: bench_shapes).
 _BENCHMARKS = {'loss_scale': 'bench_loss_scale', 'step': 'bench_step', 'window': 'bench_window'}
 
 
@@ -53,7 +54,7 @@ def _cmd_schedule(argv):
 def _cmd_bench(argv):
     p = Parser(prog='mx-lbsgd bench', description=(
         'Time the optimizer step against MXNet\'s own optimizers. By default runs '
-        'mx_lbsgd.demo.bench_shapes, the benchmark the README reports: step time, host syncs '
+        'mx_lbsgd_bench.bench_shapes, the benchmark the README reports: step time, host syncs '
         'and operator calls per step vs tensor count (4M parameters in N tensors), on '
         "ResNet-50 v1's 193 shapes, and of loss-scaled Trainer steps (several minutes on 2 "
         'cores; --quick: fewer rounds and steps, float32). Arguments it does not know go to '
@@ -62,13 +63,13 @@ def _cmd_bench(argv):
         "--help-benchmark') shows the benchmark's own options."))
     which = p.add_mutually_exclusive_group()
     which.add_argument('--loss-scale', action='store_true',
-                       help='run mx_lbsgd.demo.bench_loss_scale instead: the loss-scaled step '
+                       help='run mx_lbsgd_bench.bench_loss_scale instead: the loss-scaled step '
                             "against contrib.amp's checks (it has --quick)")
     which.add_argument('--step', action='store_true',
-                       help='run mx_lbsgd.demo.bench_step instead (superseded by the default: '
+                       help='run mx_lbsgd_bench.bench_step instead (superseded by the default: '
                             "ResNet-50's shapes only, fused=False/True only)")
     which.add_argument('--window', action='store_true',
-                       help="run mx_lbsgd.demo.bench_window instead: lblamb's accumulation "
+                       help="run mx_lbsgd_bench.bench_window instead: lblamb's accumulation "
                             'window (batch_scale=4) against the GluonNLP-style loop')
     which.add_argument('--shapes', action='store_true', help=argparse.SUPPRESS)   # the default
     p.add_argument('--help-benchmark', action='store_true',
@@ -81,7 +82,7 @@ def _cmd_bench(argv):
     prog = 'mx-lbsgd bench' + (' --' + flag.replace('_', '-') if flag else '')
     if args.help_benchmark:
         rest = ['--help']
-    importlib.import_module('.' + name, __package__).main(rest, prog=prog)
+    importlib.import_module('mx_lbsgd_bench.' + name).main(rest, prog=prog)
     return 0
 
 

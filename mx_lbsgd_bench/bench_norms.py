@@ -9,7 +9,7 @@ finite check also the 20-tensor small model of bench_shapes (96,960 parameters);
 candidates take turns round after round, each call timed with the engine drained after it;
 medians.
 
-    python -m mx_lbsgd.demo.bench_norms [--rounds 10] [--json F]
+    python -m mx_lbsgd_bench.bench_norms [--rounds 10] [--json F]
     python benchmarks/bench_norms.py ...
 """
 import statistics
@@ -19,9 +19,9 @@ import numpy as np
 import mxnet as mx
 
 import mx_lbsgd
-from mx_lbsgd.demo.bench_shapes import SMALL_MODEL
-from mx_lbsgd.demo.bench_step import machine, resnet50_shapes, save_json
-from .args import Parser, check_output_option, number
+from mx_lbsgd_demo.args import Parser, check_output_option, number
+from .bench_shapes import SMALL_MODEL
+from .bench_step import machine, resnet50_shapes, save_json
 
 __all__ = ['run', 'main']
 

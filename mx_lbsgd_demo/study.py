@@ -1,7 +1,7 @@
 """Large-batch study: steps to a target validation accuracy against batch size, per method.
 
     mx-lbsgd study [--out DIR] [--target 0.92] [--batch-sizes 16 32 ... 1024] [--tiny]
-    python -m mx_lbsgd.demo.study ...      (or python benchmarks/study.py ...)
+    python -m mx_lbsgd_demo.study ...      (or python benchmarks/study.py ...)
 
 After Shallue et al., "Measuring the Effects of Data Parallelism on Neural Network
 Training" (2018), https://arxiv.org/abs/1811.03600: for every method and batch size B,
@@ -11,7 +11,7 @@ trade-off S = S_min (1 + B_crit / B) (``study_fit``), and B_crit = E_min / S_min
 next to the gradient noise scale B_simple that `mx_lbsgd.GradientNoiseScale` measures
 during the same runs.
 
-Data: 'digits-shifted' (``mx_lbsgd.demo.data.load_data``, made on the spot, no
+Data: 'digits-shifted' (``mx_lbsgd_demo.data.load_data``, made on the spot, no
 download): 10,314 training and 1,818 validation images. Model: the (64, 64) MLP.
 
 Every run is `mx_lbsgd.LBSGD` under a gluon Trainer accumulating k = B / b micro-batches

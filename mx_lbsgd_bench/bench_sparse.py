@@ -5,7 +5,7 @@ buffer (memory and time proportional to the rows touched) against a dense fp32 b
 an accumulator of the weight's shape costs). Interleaved rounds; ratio = median over rounds
 of the within-round ratio.
 
-    python -m mx_lbsgd.demo.bench_sparse [--rounds 7] [--rows 1000000] [--json out.json]
+    python -m mx_lbsgd_bench.bench_sparse [--rounds 7] [--rows 1000000] [--json out.json]
     python benchmarks/bench_sparse.py ...
 """
 import json
@@ -18,10 +18,9 @@ import mxnet as mx
 from mxnet import gluon, nd
 
 import mx_lbsgd  # noqa: F401  (registers 'lbsgd')
-
+from mx_lbsgd_demo.args import Parser, check_output_option, number
 from . import bench_step
 from .bench_step import set_gradients
-from .args import Parser, check_output_option, number
 
 __all__ = ['main']
 

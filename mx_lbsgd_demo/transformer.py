@@ -1,6 +1,6 @@
 """A small BERT-style encoder with a masked-language-model head, in float32 or float16.
 
-Float16 as in :mod:`mx_lbsgd.demo.models`: the CPU wheel has no float16 FullyConnected or
+Float16 as in :mod:`mx_lbsgd_demo.models`: the CPU wheel has no float16 FullyConnected or
 batch_dot, so parameters and the activations between blocks are float16 and each matrix
 product, LayerNorm, GELU and softmax runs in float32 between two casts. Cast's backward
 casts the gradients back, so every parameter gradient is float16 (and underflows as on a
