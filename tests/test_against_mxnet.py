@@ -6,6 +6,8 @@ import pytest
 import mx_lbsgd
 from harness import NAMES, make_problem, run_optimizer
 
+pytestmark = pytest.mark.unit
+
 COMMON = dict(learning_rate=0.05, wd=1e-3, rescale_grad=0.7, momentum=0.9,
               param_idx2name=dict(enumerate(NAMES)))
 PATHS = [pytest.param(True, id='fused'), pytest.param(False, id='pertensor')]

@@ -8,6 +8,8 @@ from mxnet import autograd, gluon, nd
 
 import mx_lbsgd
 
+pytestmark = pytest.mark.unit
+
 CTX2 = [mx.cpu(0), mx.cpu(1)]
 
 

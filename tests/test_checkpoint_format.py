@@ -13,6 +13,8 @@ from mxnet import autograd, gluon, nd
 import mx_lbsgd
 from mx_lbsgd import checkpoint
 
+pytestmark = pytest.mark.unit
+
 LOADER = r'mx_lbsgd\.checkpoint\.load_states'
 
 

@@ -11,6 +11,8 @@ import mx_lbsgd
 from mx_lbsgd import checkpoint
 from harness import digits, mlp
 
+pytestmark = pytest.mark.unit
+
 X, Y, _, _ = digits()
 
 

@@ -12,6 +12,8 @@ import pytest
 from mx_lbsgd_demo.cli import main
 from reference import warmup_multiplier
 
+pytestmark = pytest.mark.cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = {'args', 'final_test_acc', 'best_test_acc', 'best_epoch', 'epochs_to_target',
                 'target_acc', 'wall_time_s', 'skipped_steps', 'total_steps', 'versions',
@@ -358,7 +360,7 @@ INSTALLED_COMMANDS = [
                   '--quiet', '--out', 'mlm'], ['mlm: 2 updates', 'mlm/summary.json'], id='mlm'),
     pytest.param(['launch', '-n', '1', '--timeout', '60', '--', sys.executable, '-c',
                   'import os; print("role", os.environ["DMLC_ROLE"])'], ['role worker'],
-                 id='launch'),
+                 id='launch', marks=pytest.mark.multiprocess),
 ]
 
 
@@ -385,6 +387,7 @@ def test_launch_delegates(monkeypatch):
     assert seen['argv'] == ['-n', '2', '--', 'python', 'x.py']
 
 
+@pytest.mark.multiprocess
 def test_train_dist_sync_two_workers_rank0_writes(tmp_path):
     out = tmp_path / 'dist'
     worker = [sys.executable, '-m', 'mx_lbsgd_demo', 'train', '--single', '--kvstore',

@@ -12,6 +12,8 @@ from mx_lbsgd_demo import args as demo_args
 from mx_lbsgd_demo import study
 from mx_lbsgd_demo.cli import main
 
+pytestmark = pytest.mark.cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNWRITABLE = '/proc/mx-lbsgd-test/x'       # /proc refuses new files, even to root
 

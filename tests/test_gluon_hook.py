@@ -6,6 +6,8 @@ import pytest
 import mx_lbsgd
 from harness import digits, mlp
 
+pytestmark = [pytest.mark.unit, pytest.mark.fallback, pytest.mark.pipeline]
+
 X, Y, _, _ = digits()
 LOSS = mx.gluon.loss.SoftmaxCrossEntropyLoss()
 PATHS = [pytest.param(True, id='fused'), pytest.param(False, id='pertensor')]

@@ -8,6 +8,8 @@ import pytest
 
 from harness import horovodrun
 
+pytestmark = pytest.mark.multiprocess
+
 LINES = ['[%d]<stdout>:line %d' % (i % 2, i) for i in range(40)]
 
 

@@ -20,6 +20,8 @@ from mxnet import autograd, gluon, nd
 from harness import digits, horovodrun, mlp
 from mx_lbsgd.launch import launch
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hook_engine_worker.py')
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
 

@@ -11,6 +11,8 @@ import mx_lbsgd
 from mx_lbsgd import _compat
 from harness import digits, mlp
 
+pytestmark = pytest.mark.unit
+
 X, Y, _, _ = digits()
 LOSS = gluon.loss.SoftmaxCrossEntropyLoss()
 BATCH = 16

@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
+
 pytest.importorskip('horovod.mxnet')
 
 from harness import horovodrun  # noqa: E402

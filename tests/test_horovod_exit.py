@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
+
 pytest.importorskip('horovod.mxnet')
 
 from harness import CRASH_MARKS, horovodrun  # noqa: E402

@@ -6,6 +6,8 @@ import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
 from harness import NAMES, make_problem
 
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+
 def run_steps(opt, dtype, steps):
     weights, grads = make_problem(steps)
     updater = mx.optimizer.get_updater(opt)

@@ -15,6 +15,8 @@ import mxnet as mx
 from mx_lbsgd.launch import launch
 import dist_worker
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dist_worker.py')
 WARMUP = dict(warmup_epochs=1, updates_per_epoch=4)
 SCALED = dict(loss_scaler=dict(init_scale=2.0 ** 6, growth_interval=2))

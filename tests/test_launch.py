@@ -18,6 +18,8 @@ import launch_probe
 import mx_lbsgd.launch as launch_module
 from mx_lbsgd.launch import launch, main
 
+pytestmark = pytest.mark.multiprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG = 'MX_LBSGD_TEST_TAG'
 # The launcher's --timeout in these tests: a bound that keeps a broken launcher from hanging

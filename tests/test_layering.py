@@ -13,6 +13,8 @@ import pytest
 
 import mx_lbsgd
 
+pytestmark = pytest.mark.unit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

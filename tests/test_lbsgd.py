@@ -10,6 +10,8 @@ from mx_lbsgd.counting import count_host_syncs
 from harness import NAMES, SHAPES, make_problem, run_optimizer
 from reference import LBSGDReference
 
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+
 DTYPES = {  # id -> (weight dtype, multi_precision, rtol on weights)
     'fp32': ('float32', False, 2e-5),
     'fp64': ('float64', False, 1e-6),   # kernels take lr, wd, momentum as float32

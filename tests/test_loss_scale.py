@@ -6,6 +6,8 @@ import pytest
 
 from mx_lbsgd.loss_scale import DynamicLossScaler, LossScaleStuckError
 
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+
 O, F = True, False      # overflow, finite
 
 # Each seed's documented parameters mapped onto DynamicLossScaler, and a table of

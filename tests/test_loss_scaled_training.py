@@ -8,6 +8,8 @@ import mx_lbsgd
 from digits_mlp import mlp
 from harness import digits
 
+pytestmark = pytest.mark.unit
+
 X, Y, XT, YT = digits()
 
 

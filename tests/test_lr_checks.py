@@ -10,6 +10,8 @@ from mxnet import gluon
 
 import mx_lbsgd
 
+pytestmark = pytest.mark.unit
+
 NAMES = ['lbsgd', 'lssgd', 'lblamb']
 CLASSES = {'lbsgd': mx_lbsgd.LBSGD, 'lssgd': mx_lbsgd.LossScaledSGD, 'lblamb': mx_lbsgd.LAMB}
 BAD = [

@@ -11,6 +11,8 @@ import mx_lbsgd
 from mx_lbsgd import DynamicLossScaler
 from mx_lbsgd.counting import count_host_syncs
 
+pytestmark = [pytest.mark.unit, pytest.mark.fallback, pytest.mark.pipeline]
+
 CTX2 = [mx.cpu(0), mx.cpu(1)]
 
 

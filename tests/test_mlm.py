@@ -17,6 +17,8 @@ from mx_lbsgd_demo import mlm
 from mx_lbsgd_demo.cli import main
 from harness import horovodrun
 
+pytestmark = pytest.mark.cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
 TINY = ['--vocab', '32', '--hidden', '16', '--layers', '1', '--heads', '2', '--seq-len', '8',
@@ -185,6 +187,8 @@ def _horovodrun(argv, cwd):
     return proc.stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.horovod
 @pytest.mark.parametrize('argv, compare', HOROVOD)
 def test_horovod_two_ranks(tmp_path, argv, compare):
     hvd_out, one_out = tmp_path / 'hvd', tmp_path / 'one'
@@ -214,6 +218,8 @@ def test_horovod_two_ranks(tmp_path, argv, compare):
     assert two['eval_after']['loss'] != pytest.approx(two['eval_before']['loss'], abs=1e-3)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.horovod
 def test_horovod_resume_mid_window_bit_for_bit(tmp_path):
     """2 ranks stopped inside a window write one states file each (their accumulators
     differ); a new horovodrun job resumes them to the same bits as an uninterrupted job."""
@@ -307,6 +313,7 @@ def test_bad_arguments_exit_2_naming_the_option(tmp_path, capsys, argv, words):
     assert not out.exists()
 
 
+@pytest.mark.horovod
 def test_horovod_flag_without_horovod_names_the_option(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, 'horovod.mxnet', None)
     assert main(['mlm', '--horovod', '--out', str(tmp_path / 'run')] + TINY) == 2

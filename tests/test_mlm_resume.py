@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: appended to every README line: a small model (the README's schedule, 200 updates of 4
 #: micro-batches, and its --out / --stop-after / --resume stay as written)

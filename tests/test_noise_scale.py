@@ -21,6 +21,8 @@ from digits_mlp import mlp as demo_mlp
 from harness import digits, horovodrun, mlp
 import noise_worker
 
+pytestmark = pytest.mark.unit
+
 WORKER = os.path.abspath(noise_worker.__file__)
 HVD_WORKER = os.path.join(os.path.dirname(WORKER), 'noise_hvd_worker.py')
 HOOK_WORKER = os.path.join(os.path.dirname(WORKER), 'noise_hook_worker.py')
@@ -54,6 +56,7 @@ def _env():
         os.environ.get('PYTHONPATH')]))}
 
 
+@pytest.mark.multiprocess
 def test_estimate_within_10_percent_on_dist_sync(tmp_path):
     """The README's dist_sync loop: trainer.step(batch_per_worker * num_workers) (the
     servers sum, so that is the step that applies the mean gradient). The monitor once read
@@ -71,6 +74,8 @@ def test_estimate_within_10_percent_on_dist_sync(tmp_path):
         _assert_close_to_truth(result)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.horovod
 def test_estimate_within_10_percent_under_horovod(tmp_path):
     pytest.importorskip('horovod.mxnet')
     cfg = dict(batch=8, kvstore='horovod', updates=300)
@@ -86,6 +91,8 @@ def test_estimate_within_10_percent_under_horovod(tmp_path):
         _assert_close_to_truth(result)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.horovod
 def test_estimate_within_10_percent_under_horovod_with_a_predivide_factor(tmp_path):
     """DistributedTrainer(gradient_predivide_factor=4): the allreduce sums the gradients
     divided by 4, and the Trainer's scale carries 4 / size. The reduced gradient is the sum
@@ -104,10 +111,11 @@ def test_estimate_within_10_percent_under_horovod_with_a_predivide_factor(tmp_pa
         _assert_close_to_truth(result)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('kvstore, unscale', [
     pytest.param('dist_sync', False, id='dist_sync'),
     pytest.param('dist_sync', True, id='dist_sync-unscale'),
-    pytest.param('horovod', True, id='horovod-unscale'),
+    pytest.param('horovod', True, id='horovod-unscale', marks=pytest.mark.horovod),
 ])
 def test_estimate_within_10_percent_under_the_loss_scaling_hook(kvstore, unscale, tmp_path):
     """The LossScaling hook's step(batch) as the README's recipe for each engine passes it

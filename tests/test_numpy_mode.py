@@ -8,6 +8,8 @@ import mx_lbsgd
 from mx_lbsgd import checkpoint
 from harness import digits
 
+pytestmark = pytest.mark.unit
+
 X, Y, _, _ = digits()
 CTX2 = [mx.cpu(0), mx.cpu(1)]
 

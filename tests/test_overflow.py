@@ -22,6 +22,8 @@ from mx_lbsgd.launch import launch
 import dist_worker
 from harness import horovodrun
 
+pytestmark = pytest.mark.unit
+
 SHAPES = {'p0': (4, 3), 'p1': (5,), 'p2': (3, 3)}
 INIT = 64.0
 
@@ -451,6 +453,7 @@ DIST_CASES = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('kind, cfg, at, micro_batch, knows_origin', DIST_CASES)
 def test_two_workers_one_injects(tmp_path, kind, cfg, at, micro_batch, knows_origin):
     ranks = _job(cfg, tmp_path, kind)

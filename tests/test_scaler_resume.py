@@ -17,6 +17,8 @@ from mx_lbsgd import checkpoint
 from digits_mlp import mlp
 from harness import digits
 
+pytestmark = pytest.mark.unit
+
 X, Y, _, _ = digits()
 BATCH = 16
 STEPS = 12

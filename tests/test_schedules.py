@@ -8,6 +8,8 @@ import mx_lbsgd
 from mx_lbsgd import schedules
 from reference import warmup_lr, warmup_multiplier
 
+pytestmark = pytest.mark.unit
+
 POINTS = [0, 1, 3, 7, 10, 11, 50]
 
 

@@ -18,6 +18,8 @@ from mx_lbsgd.launch import launch
 from reference import NumpySGD, lazy_sgd_rows
 from reference import lars_factor
 
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+
 # MXNet 1.9.1 tests/python/unittest/test_optimizer.py::test_sgd, as data
 OPTIONS = [[{}, {'momentum': 0.9}],
            [{}, {'clip_gradient': 0.4}, {'clip_gradient': 0.5}],
@@ -303,6 +305,7 @@ def run_sparse_job(cfg, tmp_path):
     return code, out.getvalue()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('optimizer, params', DIST_SPARSE)
 def test_sparse_embedding_dist_sync_equals_one_process(tmp_path, optimizer, params):
     """2 workers + 1 server, SparseEmbedding: the optimizer runs on the server (MXNet's
@@ -346,6 +349,7 @@ def test_dense_weights_with_sparse_gradients_on_dist_kvstore_are_refused():
         np.testing.assert_array_equal(b, p.data().asnumpy())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize('api', ['gluon', 'module'])
 def test_dense_weights_with_sparse_gradients_refused_in_a_dist_job(tmp_path, api):
     """The same refusal in a real 2-worker job, for Gluon and for Module (raised while

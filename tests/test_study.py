@@ -12,6 +12,8 @@ from mx_lbsgd_demo import study
 from mx_lbsgd_demo.cli import main
 from mx_lbsgd_demo.study_fit import fit_tradeoff, predicted_steps
 
+pytestmark = pytest.mark.cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY_RUNS = [
@@ -132,6 +134,7 @@ def test_bad_arguments_exit_2_naming_the_option(argv, words, tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.multiprocess
 def test_study_script_runs_directly_in_two_processes(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'study.py'),
                            '--tiny', '--methods', 'sgd', 'lbsgd-linear', '--batch-sizes',
@@ -143,6 +146,7 @@ def test_study_script_runs_directly_in_two_processes(tmp_path):
     assert data['settings']['jobs'] == 2 and list(data['methods']) == ['sgd', 'lbsgd-linear']
 
 
+@pytest.mark.multiprocess
 def test_pool_workers_exit_when_the_study_is_killed():
     """run_many's spawned workers watch their parent: a SIGKILLed study leaves none behind."""
     import time

@@ -14,6 +14,8 @@ from mx_lbsgd_demo.cli import main
 from mx_lbsgd_demo.config import DEMO_DEFAULTS, ConfigError, TrainConfig
 from mx_lbsgd_demo.train_command import _noise_scale_line
 
+pytestmark = pytest.mark.cli
+
 NOISE_COLUMNS = ('b_simple', 'gradient_sq', 'trace_sigma')
 MEASURED_LINE = re.compile(r'^gradient noise scale B_simple ~ \S+ \(last epoch\); '
                            r'effective batch (\d+) is \S+x it: ', re.M)

@@ -11,6 +11,8 @@ import pytest
 
 from mx_lbsgd_demo.cli import main
 
+pytestmark = pytest.mark.cli
+
 PARAMETER = re.compile(r'^hybridsequential\d+_dense[0-2]_(weight|bias)$')
 KINDS = {'inf', 'nan', 'inf+nan'}
 

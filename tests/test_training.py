@@ -8,6 +8,8 @@ import pytest
 import mx_lbsgd  # noqa: F401
 from harness import accuracy, digits, mlp
 
+pytestmark = pytest.mark.unit
+
 X, Y, XT, YT = digits()
 LOSS = mx.gluon.loss.SoftmaxCrossEntropyLoss()
 

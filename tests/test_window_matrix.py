@@ -30,6 +30,8 @@ from mxnet import autograd, gluon, nd
 import mx_lbsgd
 from reference import LBSGDReference, lamb_step
 
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
+
 SHAPES = [(3, 4), (5,), (2, 3, 2), (1,)]
 NAMES = ['fc0_weight', 'fc0_bias', 'conv0_weight', 'bn0_gamma']
 RESCALE = 0.5          # trainer.step(2), and the optimizer's rescale_grad elsewhere
