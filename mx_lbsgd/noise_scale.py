@@ -26,8 +26,11 @@ gather per-worker norms, this one uses only gradients the step computes anyway a
 no communication: each worker estimates from its own small gradients and the shared big
 one.
 """
+from __future__ import annotations
+
 import math
 import weakref
+from typing import List, Sequence, Tuple
 
 import numpy as np
 import mxnet as mx
@@ -37,6 +40,12 @@ from . import _compat, _kernels, _native
 from .pipeline import binding as _binding
 
 __all__ = ['GradientNoiseScale']
+
+#: A squared norm on the device ((1,) array) and the factor that turns it into units of the
+#: mean per-example gradient.
+_Norm = Tuple['mx.nd.NDArray', float]
+#: Per update: (the small gradients' norms, the big gradient's norm, B_small, B_big).
+_Pending = Tuple[List[_Norm], _Norm, float, float]
 
 
 class GradientNoiseScale:
@@ -92,7 +101,8 @@ class GradientNoiseScale:
     the monitor would take B_small and B_big ``num_workers`` times too small.
     """
 
-    def __init__(self, trainer, interval=10, smoothing=0.95, small_every=None):
+    def __init__(self, trainer: mx.gluon.Trainer, interval: int = 10, smoothing: float = 0.95,
+                 small_every: int | None = None) -> None:
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError('interval must be an int >= 1; got %r' % (interval,))
         if small_every is not None and (not isinstance(small_every, int) or
@@ -112,16 +122,19 @@ class GradientNoiseScale:
                              'workers. Use gluon.Trainer(..., update_on_kvstore=False)')
         self.interval, self.smoothing = interval, float(smoothing)
         self.small_every = small_every
-        self.b_simple = self.gradient_sq = self.trace_sigma = None
-        self.b_small = self.b_big = None
-        self.history = []
+        self.b_simple: float | None = None
+        self.gradient_sq: float | None = None
+        self.trace_sigma: float | None = None
+        self.b_small: float | None = None
+        self.b_big: float | None = None
+        self.history: list[dict[str, float | None]] = []
         # weak: the Trainer's binding holds this monitor, and must not keep the Trainer
         # (and its kvstore, whose destructor ends a dist_sync worker cleanly) alive
         self._trainer = weakref.ref(trainer)
         self._devices = len(_compat.trainer_params(trainer)[0].list_ctx())
-        self._pending = []          # per update: ([small sums], big sum, B_small, B_big)
-        self._small = []            # this update's small sums so far
-        self._ema = [0.0, 0.0, 0]   # |G|^2, tr(Sigma), samples
+        self._pending: list[_Pending] = []   # per update: ([small sums], big sum, B_small, B_big)
+        self._small: list[_Norm] = []        # this update's small sums so far
+        self._ema: list[float] = [0.0, 0.0, 0]   # |G|^2, tr(Sigma), samples
         self._updates = 0
         self._checked = False
         self._binding = _binding.bind(trainer)
@@ -130,13 +143,13 @@ class GradientNoiseScale:
                 and _compat.trainer_worker_count(trainer, default=None) == 1:
             raise self._one_batch_size()
 
-    def close(self):
+    def close(self) -> None:
         """Stop observing (the estimates stay)."""
         if self in self._binding.observers:
             self._binding.observers.remove(self)
 
     # -- observations (called by the Trainer binding) -----------------------------------
-    def before_reduction(self, trainer, opt):
+    def before_reduction(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> None:
         """One micro-batch's local gradients, device by device."""
         if _compat.trainer_updates_on_kvstore(trainer):
             self.close()
@@ -151,7 +164,8 @@ class GradientNoiseScale:
         for grads in _gradients_by_device(trainer):
             self._small.append((_sum_squares(grads), factor ** 2))
 
-    def after_reduction(self, trainer, opt, closes_window):
+    def after_reduction(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer,
+                        closes_window: bool) -> None:
         """The reduced gradient that the update applies."""
         if not self._checked:
             self._check_two_sizes(trainer, opt)
@@ -171,7 +185,7 @@ class GradientNoiseScale:
         if self._updates % self.interval == 0:
             self.flush()
 
-    def flush(self):
+    def flush(self) -> None:
         """Read the pending norms now (one host read) and update the estimates."""
         if not self._pending:
             return
@@ -188,7 +202,8 @@ class GradientNoiseScale:
         self._pending = []
 
     # -- estimation ----------------------------------------------------------------------
-    def _estimate(self, update, small_sq, big_sq, b_small, b_big):
+    def _estimate(self, update: int, small_sq: float, big_sq: float, b_small: float,
+                  b_big: float) -> None:
         g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
         trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
         ema = self._ema
@@ -205,12 +220,13 @@ class GradientNoiseScale:
                                  b_simple=self.b_simple))
 
     # -- what the step knows ---------------------------------------------------------------
-    def _window_at_trainer(self):
-        opt = self._trainer().optimizer
+    def _window_at_trainer(self) -> bool:
+        # the Trainer is alive: this runs from __init__ or while it steps
+        opt = self._trainer().optimizer  # type: ignore[union-attr]
         return opt.accumulates_at_trainer() and self._binding.window_at_reduction
 
     @staticmethod
-    def _worker_batch(trainer, opt):
+    def _worker_batch(trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> float:
         """Examples per step on this worker (over its devices), from the step's batch
         argument read the way the README's recipe for each engine passes it:
 
@@ -238,7 +254,7 @@ class GradientNoiseScale:
         return step_batch
 
     @staticmethod
-    def _loss_scale(trainer, opt):
+    def _loss_scale(trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> float:
         """The scale the observed gradients carry: the optimizer's loss scaler's, or the
         `LossScaling` hook's (1 when the hook is inactive)."""
         hook = _binding.loss_scaling_of(trainer)
@@ -247,13 +263,13 @@ class GradientNoiseScale:
         scaler = getattr(opt, 'loss_scaler', None)
         return 1.0 if scaler is None else float(scaler.scale)
 
-    def _check_two_sizes(self, trainer, opt):
+    def _check_two_sizes(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> None:
         self._checked = True
         if self._devices == 1 and _compat.trainer_worker_count(trainer, default=1) == 1 \
                 and not self._window_at_trainer():
             raise self._one_batch_size()
 
-    def _one_batch_size(self):
+    def _one_batch_size(self) -> ValueError:
         self.close()
         return ValueError(
             'GradientNoiseScale needs gradients at two batch sizes, and this Trainer has one '
@@ -262,13 +278,13 @@ class GradientNoiseScale:
             'gradients), more than one device, or more than one worker (dist_sync, Horovod)')
 
 
-def _gradients_by_device(trainer):
+def _gradients_by_device(trainer: mx.gluon.Trainer) -> list[list[mx.nd.NDArray]]:
     """[[gradients of device 0], [of device 1], ...] of the trainable parameters."""
     params = [p for p in _compat.trainer_params(trainer) if p.grad_req != 'null']
     return [list(grads) for grads in zip(*[p.list_grad() for p in params])]
 
 
-def _sum_squares(arrays):
+def _sum_squares(arrays: Sequence[mx.nd.NDArray]) -> mx.nd.NDArray:
     """A (1,) float32 array on the arrays' device: the sum of their squares (the native
     operator in one call on CPU; else MXNet's multi_sum_sq per dtype)."""
     arrays = [a.data if a.stype != 'default' else a for a in arrays]   # sparse: the values
