@@ -390,7 +390,8 @@ class _Job:
         penv = dict(self.env, DMLC_ROLE=role, MX_LBSGD_ROLE=role, MX_LBSGD_RANK=str(rank))
         watch = None
         if role != 'worker':     # so that the bootstrap imports this very mx_lbsgd
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            # the folder that holds the mx_lbsgd package (this file is mx_lbsgd/distributed/)
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             penv['PYTHONPATH'] = os.pathsep.join(p for p in (root, penv.get('PYTHONPATH')) if p)
         entry: list[Any] = [label, None]
         if role == 'worker':
