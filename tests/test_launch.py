@@ -712,3 +712,22 @@ def test_back_to_back_jobs_under_load(tmp_path, tag):
         launch_probe.stop(spinner)
         launch_probe.stop(stale)
     assert len(addresses) == 5
+
+
+def test_servers_and_scheduler_import_this_very_mx_lbsgd():
+    """A server's or the scheduler's bootstrap imports mx_lbsgd from the folder that holds
+    the package the launcher runs from, not from wherever else it is installed."""
+    import mx_lbsgd
+    from mx_lbsgd.distributed import launch as launch_module
+    job = launch_module._Job(io.StringIO(), dict(os.environ, PYTHONPATH=''), [])
+    # no `import mxnet` (it would enter the server loop): where would mx_lbsgd come from?
+    probe = [sys.executable, '-c', 'import importlib.util, sys; '
+             'print("FOUND", importlib.util.find_spec("mx_lbsgd").origin, sys.path[1], "END")']
+    for role in ('server', 'scheduler'):
+        proc = job.spawn(role, role, 0, probe)
+        assert proc.wait(timeout=120) == 0, job.stream.getvalue()
+    for thread in job.threads:
+        thread.join(timeout=30)
+    out = job.stream.getvalue()
+    here = os.path.abspath(mx_lbsgd.__file__)
+    assert out.count('FOUND %s %s END' % (here, os.path.dirname(os.path.dirname(here)))) == 2, out
