@@ -82,9 +82,11 @@ def machine():
                 native_library_built=versions[2] == 'True' if len(versions) > 2 else None)
 
 
-def _env(native):
+def _env(native, cores=False):
     env = dict(os.environ, MX_LBSGD_NATIVE=native, PYTHONFAULTHANDLER='1',
                OMP_NUM_THREADS='1')
+    if cores:      # MXNet's handler exits without a core; faulthandler re-raises the signal
+        env['MXNET_USE_SIGNAL_HANDLER'] = '0'
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [ROOT, env.get('PYTHONPATH')]))
     return env
 
@@ -100,12 +102,19 @@ def mlm_argv():
     return test_mlm.RESUME_BASE + ['--batch-size', '2']
 
 
-def run_job(argv, native, timeout, cwd):
-    """(kind, seconds, exit status or None, output) of one horovodrun job."""
+def _allow_cores():
+    import resource
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def run_job(argv, native, timeout, cwd, cores=False):
+    """(kind, seconds, exit status or None, output) of one horovodrun job. `cores`: workers
+    may dump core (where kernel.core_pattern says), with MXNet's segfault handler off."""
     start = time.monotonic()
     proc = subprocess.Popen([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2'] + argv,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(native), cwd=cwd)
+                            env=_env(native, cores), cwd=cwd,
+                            preexec_fn=_allow_cores if cores else None)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -136,7 +145,7 @@ class Soak:
     # -- units: each returns [(family, name, kind, seconds, code, output, note)] ---------
     def dist(self, name, cfg, native, tmp):
         kind, sec, code, out = run_job([sys.executable, DIST_WORKER, json.dumps(cfg), tmp],
-                                       native, self.args.timeout, tmp)
+                                       native, self.args.timeout, tmp, self.args.cores)
         note = ''
         if kind == 'ok' and code != 0:
             kind, note = 'fail', 'exit %d' % code
@@ -159,7 +168,8 @@ class Soak:
                  ('mlm-resume', ['--out', os.path.join(tmp, 'resumed'), '--resume', stopped])]
         rows = []
         for name, extra in steps:
-            kind, sec, code, out = run_job(base + extra, native, self.args.timeout, tmp)
+            kind, sec, code, out = run_job(base + extra, native, self.args.timeout, tmp,
+                                           self.args.cores)
             note = ''
             if kind == 'ok' and code != 0:
                 kind, note = 'fail', 'exit %d' % code
@@ -179,7 +189,7 @@ class Soak:
     def exit_worker(self, mode, native, tmp):
         argv = [sys.executable, EXIT_WORKER, mode] + (['--unprotected'] if
                                                       self.args.unprotected else [])
-        kind, sec, code, out = run_job(argv, native, self.args.timeout, tmp)
+        kind, sec, code, out = run_job(argv, native, self.args.timeout, tmp, self.args.cores)
         note = ''
         if kind == 'ok':
             if mode == 'queued' and code != 0:
@@ -307,6 +317,10 @@ def main(argv=None):
                    help="exit worker without the package's exit drain (baseline)")
     p.add_argument('--json', help='write the results here (after every job)')
     p.add_argument('--keep', help='write the output of every job not ok into this folder')
+    p.add_argument('--cores', action='store_true',
+                   help='let crashed workers dump core (MXNET_USE_SIGNAL_HANDLER=0, no core '
+                        'size limit; the kernel\'s core_pattern says where): open one with '
+                        'gdb python CORE for the native stack of every thread')
     args = p.parse_args(argv)
     for name in ('jobs', 'queued', 'raising', 'burners', 'mlm_every'):
         if getattr(args, name) < 0:
