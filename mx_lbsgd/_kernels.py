@@ -12,7 +12,10 @@ Learning rates come either as Python floats (``lrs``) or as a float32 vector on 
 (``lr_vector``, from `lars_lrs`): the ``preloaded_multi_*`` kernels read the latter without a
 host sync, also for one tensor at a time.
 """
+from __future__ import annotations
+
 import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import mxnet as mx
@@ -20,6 +23,13 @@ from mxnet import nd
 
 from . import _compat, _native
 
+_T = TypeVar('_T')
+#: (accumulators, gradients) of one CPU context, for one native accumulate call
+_WindowGroups = List[Tuple[List[nd.NDArray], List[nd.NDArray]]]
+#: a finite check of `_finite_plan`: (arrays, flag, first kernel of its context)
+_Check = Callable[[Sequence[nd.NDArray], nd.NDArray, bool], None]
+#: [(context, [(check, arrays)])]
+_FinitePlan = List[Tuple[Any, List[Tuple[_Check, Sequence[nd.NDArray]]]]]
 MAX_TENSORS_PER_KERNEL = 60        # limit of MXNet's multi_* and preloaded_multi_* ops
 MAX_ARRAYS_PER_FINITE_CHECK = 200  # limit of multi_all_finite
 # Tensors with at least this many elements run per-tensor kernels when the path is not
@@ -27,10 +37,13 @@ MAX_ARRAYS_PER_FINITE_CHECK = 200  # limit of multi_all_finite
 # tensors): per-tensor wins from ~40k elements (N=100, fp32: 14.6 vs 25.1 ms; fp16 with
 # master copies: 40.8 vs 64.3 ms), multi-tensor below (N=1000, fp32: 47 vs 111 ms). On a
 # GPU one multi-tensor launch beats many per-tensor ones.
-PER_TENSOR_MIN_SIZE = {'cpu': 1 << 15, 'gpu': 1 << 62}
+#: keyed by device type, or by (device type, dtype name) for a dtype of its own
+PER_TENSOR_MIN_SIZE: Dict[Union[str, Tuple[str, Optional[str]]], int] = {
+    'cpu': 1 << 15, 'gpu': 1 << 62}
 
 
-def route(sizes, device_type, fused, dtype=None):
+def route(sizes: Sequence[int], device_type: str, fused: Optional[bool],
+          dtype: Any = None) -> Tuple[List[int], List[int]]:
     """(per-tensor positions, multi-tensor positions) for tensors of `sizes` elements.
 
     fused=True/False forces one path; None routes by size (`PER_TENSOR_MIN_SIZE`, by
@@ -50,10 +63,10 @@ def route(sizes, device_type, fused, dtype=None):
 # let the engine spread a group over its threads. Measured (4M parameters, N equal tensors,
 # lbsgd / MXNet SGD default): fp32 N=1000 0.66 at 2**16 vs 1.02 at 2**14; fp16 with master
 # copies (mp kernels) N=1000 1.05 at 2**14 vs 1.22 at 2**16.
-CPU_ELEMENTS_PER_KERNEL = {'float16': 1 << 14, None: 1 << 16}
+CPU_ELEMENTS_PER_KERNEL: Dict[Optional[str], int] = {'float16': 1 << 14, None: 1 << 16}
 
 
-def spans(tensors):
+def spans(tensors: Sequence[nd.NDArray]) -> List[Tuple[int, int]]:
     """(start, end) index ranges of at most 60 tensors (and, on CPU, of at most
     CPU_ELEMENTS_PER_KERNEL elements unless one tensor alone is larger)."""
     limit = None
@@ -72,17 +85,17 @@ def spans(tensors):
     return out
 
 
-def chunks(seq, size=MAX_TENSORS_PER_KERNEL):
+def chunks(seq: Sequence[_T], size: int = MAX_TENSORS_PER_KERNEL) -> List[Sequence[_T]]:
     return [seq[i:i + size] for i in range(0, len(seq), size)]
 
 
-def device_vector(values, ctx):
+def device_vector(values: Sequence[float], ctx: mx.Context) -> nd.NDArray:
     """A float32 vector on `ctx` (built on the host, copied without blocking the engine)."""
     host = nd.array(np.asarray(values, dtype=np.float32), ctx=mx.cpu(), dtype=np.float32)
     return host if ctx == mx.cpu() else host.as_in_context(ctx)
 
 
-def sum_squares(arrays):
+def sum_squares(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
     """fp32 vector of the sums of squares of `arrays` (one dtype, one context).
 
     On CPU the package's native operator does it in one call (float32 squares, double
@@ -90,18 +103,20 @@ def sum_squares(arrays):
     float16 values above 256 give inf; without the native operator float16 inputs are cast
     to float32 first. The GPU kernel already squares and sums in float32.
     """
-    if arrays[0].context.device_type == 'cpu' and _native.ops() is not None \
+    if arrays[0].context.device_type == 'cpu' and (ops := _native.ops()) is not None \
             and np.dtype(arrays[0].dtype).name in ('float32', 'float16'):
         # one call, at the memory bandwidth; MXNet's multi_sum_sq reads at a third of it
-        return _native.ops().sum_sq(*arrays, num_arrays=len(arrays))
+        return ops.sum_sq(*arrays, num_arrays=len(arrays))
     if arrays[0].context.device_type != 'gpu' and arrays[0].dtype == np.float16:
         arrays = [a.astype(np.float32) for a in arrays]
     parts = [nd.multi_sum_sq(*chunk, num_arrays=len(chunk)) for chunk in chunks(arrays)]
     return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=0)
 
 
-def lars_lrs(*, weights, grads, lrs, wds, keep_lr, eta, eps, rescale_grad, lars_min,
-             lars_max):
+def lars_lrs(*, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
+             lrs: Sequence[float], wds: Sequence[float], keep_lr: Sequence[bool], eta: float,
+             eps: float, rescale_grad: float, lars_min: float,
+             lars_max: float) -> nd.NDArray:
     """Per-layer learning rates ``lr * clip(eta*|w| / (|g*rescale| + wd*|w| + eps))``, a
     float32 vector on the device. Layers with keep_lr[i], or a zero weight or gradient
     norm, keep ``lr``. `lrs`, `wds` and `keep_lr` are Python lists.
@@ -123,7 +138,9 @@ def lars_lrs(*, weights, grads, lrs, wds, keep_lr, eta, eps, rescale_grad, lars_
     return nd.where(keep, ratio, ones) * lr_vec
 
 
-def accumulate(*, accs, grads, first, rescale_grad, scratch, check_finite=False, fused=None):
+def accumulate(*, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray], first: bool,
+               rescale_grad: float, scratch: dict, check_finite: bool = False,
+               fused: Optional[bool] = None) -> Optional[nd.NDArray]:
     """accs[i] = rescale_grad * grads[i] (first micro-batch of a window), else
     accs[i] += rescale_grad * grads[i].
 
@@ -158,8 +175,9 @@ def accumulate(*, accs, grads, first, rescale_grad, scratch, check_finite=False,
     return flag
 
 
-def write_mean(*, grads, accs, rescale_grad, mean_factor, scratch, check_finite=False,
-               fused=None):
+def write_mean(*, grads: Sequence[nd.NDArray], accs: Sequence[nd.NDArray],
+               rescale_grad: float, mean_factor: float, scratch: dict,
+               check_finite: bool = False, fused: Optional[bool] = None) -> Optional[nd.NDArray]:
     """grads[i] = mean_factor * (accs[i] + rescale_grad * grads[i]) in the gradient's dtype: the
     accumulated window written back into the gradient buffers, ready to be communicated
     once. One native call per context on CPU (as `accumulate`), else per tensor. With
@@ -185,7 +203,8 @@ def write_mean(*, grads, accs, rescale_grad, mean_factor, scratch, check_finite=
     return flag
 
 
-def _rest_flag(grads, rest, flags, check_finite, fused):
+def _rest_flag(grads: Sequence[nd.NDArray], rest: Sequence[int], flags: List[nd.NDArray],
+               check_finite: bool, fused: Optional[bool]) -> Optional[nd.NDArray]:
     """The finite flag of every gradient: the native calls' `flags` AND a `finite_flag` of
     the `rest` (None without `check_finite`)."""
     if not check_finite:
@@ -195,15 +214,20 @@ def _rest_flag(grads, rest, flags, check_finite, fused):
     return _and_flags(flags)
 
 
-_WINDOW_PLANS = {}
+#: {ids of (accumulators, gradients): (those arrays, `_window_plan` of them)}
+_WINDOW_PLANS: Dict[Tuple[int, ...],
+                    Tuple[List[nd.NDArray], Tuple[_WindowGroups, List[int]]]] = {}
 
 
-def _native_window_call(accs, grads, check_finite, mode, **attrs):
+def _native_window_call(accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
+                        check_finite: bool, mode: int,
+                        **attrs: float) -> Tuple[Sequence[int], List[nd.NDArray]]:
     """Run ``mx_lbsgd_accumulate`` (`mode` 0 write, 1 add, 2 mean) once per context over
     the tensors it takes; return the positions left to MXNet's operators and, with
     `check_finite`, the calls' finite flags (one per context, else []). The grouping is
     computed once per tuple of arrays (a Trainer hands the same buffers every step)."""
-    if _native.ops() is None:
+    ops = _native.ops()
+    if ops is None:
         return range(len(accs)), []
     key = tuple(id(a) for a in accs) + tuple(id(g) for g in grads)
     plan = _WINDOW_PLANS.get(key)
@@ -213,7 +237,7 @@ def _native_window_call(accs, grads, check_finite, mode, **attrs):
         if len(_WINDOW_PLANS) > 64:          # bound the cache (changing gradient sets)
             _WINDOW_PLANS.pop(next(iter(_WINDOW_PLANS)))
     groups, rest = plan[1]
-    call = _native.ops().accumulate
+    call = ops.accumulate
     flags = []
     for group_accs, group_grads in groups:
         out = call(*group_accs, *group_grads, num_tensors=len(group_accs), mode=mode,
@@ -223,10 +247,12 @@ def _native_window_call(accs, grads, check_finite, mode, **attrs):
     return rest, flags
 
 
-def _window_plan(accs, grads):
+def _window_plan(accs: Sequence[nd.NDArray],
+                 grads: Sequence[nd.NDArray]) -> Tuple[_WindowGroups, List[int]]:
     """([(accumulators, gradients) per CPU context], positions the native operator does
     not take: non-float32 accumulators, other gradient dtypes, sparse storage, GPUs)."""
-    groups, rest = {}, []
+    groups: Dict[Any, Tuple[List[nd.NDArray], List[nd.NDArray]]] = {}
+    rest: List[int] = []
     for j, (acc, grad) in enumerate(zip(accs, grads)):
         if (acc.context.device_type == 'cpu' and grad.context == acc.context
                 and acc.dtype == np.float32 and grad.dtype in _NATIVE_DTYPES
@@ -239,7 +265,7 @@ def _window_plan(accs, grads):
     return list(groups.values()), rest
 
 
-def cast_into(array, dtype, scratch):
+def cast_into(array: nd.NDArray, dtype: Any, scratch: dict) -> nd.NDArray:
     """`array` cast into a view of a flat buffer that `scratch` (a dict) keeps per
     (context, dtype) and reuses from step to step."""
     key = (array.context, np.dtype(dtype).name)
@@ -252,24 +278,27 @@ def cast_into(array, dtype, scratch):
     return view
 
 
-_FINITE_PLANS = {}
+#: {(ids of the arrays, fused): (those arrays, `_finite_plan` of them)}
+_FINITE_PLANS: Dict[Tuple[Tuple[int, ...], Optional[bool]],
+                    Tuple[List[nd.NDArray], _FinitePlan]] = {}
 _NATIVE_DTYPES = (np.float32, np.float16)
 
 
-def _check_one(arrays, flag, first):
+def _check_one(arrays: Sequence[nd.NDArray], flag: nd.NDArray, first: bool) -> None:
     nd.all_finite(arrays[0], init_output=first, out=flag)
 
 
-def _check_many(arrays, flag, first):
+def _check_many(arrays: Sequence[nd.NDArray], flag: nd.NDArray, first: bool) -> None:
     nd.multi_all_finite(*arrays, num_arrays=len(arrays), init_output=first, out=flag)
 
 
-def _check_native(arrays, flag, first):
+def _check_native(arrays: Sequence[nd.NDArray], flag: nd.NDArray, first: bool) -> None:
     # writes the whole flag (no AND with an earlier value), so it is planned first
-    _native.ops().all_finite(*arrays, num_arrays=len(arrays), out=flag)
+    _native.ops().all_finite(  # type: ignore[union-attr]  # planned only when ops() is set
+        *arrays, num_arrays=len(arrays), out=flag)
 
 
-def finite_flag(arrays, fused):
+def finite_flag(arrays: Sequence[nd.NDArray], fused: Optional[bool]) -> nd.NDArray:
     """A float32 (1,) array on the first array's context: 1 if every element of every array
     is finite, else 0. Works across contexts and dtypes; reads nothing back to the host.
 
@@ -290,7 +319,7 @@ def finite_flag(arrays, fused):
             _FINITE_PLANS[key] = plan
             if len(_FINITE_PLANS) > 64:       # bound the cache (changing gradient sets)
                 _FINITE_PLANS.pop(next(iter(_FINITE_PLANS)))
-    flags = []
+    flags: List[nd.NDArray] = []
     for ctx, calls in plan[1]:
         flag = nd.empty((1,), ctx=ctx, dtype=np.float32)
         for n, (check, group) in enumerate(calls):
@@ -299,7 +328,7 @@ def finite_flag(arrays, fused):
     return _and_flags(flags)
 
 
-def _and_flags(flags):
+def _and_flags(flags: List[nd.NDArray]) -> nd.NDArray:
     """One flag from per-context flags: on the first one's context, 1 when all are 1."""
     if not flags:
         return nd.ones((1,), dtype=np.float32)
@@ -309,18 +338,18 @@ def _and_flags(flags):
     return first
 
 
-def _finite_plan(arrays, fused):
+def _finite_plan(arrays: Sequence[nd.NDArray], fused: Optional[bool]) -> _FinitePlan:
     """[(context, [(check, arrays)])] for `finite_flag`: `_check_native` (first in its
     context), `_check_one` or `_check_many`."""
-    groups = {}
+    groups: Dict[Any, Dict[Any, List[nd.NDArray]]] = {}
     for a in arrays:
         if a.stype != 'default':
             a = a.data          # the stored values only (row_sparse rows, csr entries)
         groups.setdefault(a.context, {}).setdefault(a.dtype, []).append(a)
-    plan = []
+    plan: _FinitePlan = []
     native = _native.ops() is not None
     for ctx, by_dtype in groups.items():
-        calls = []
+        calls: List[Tuple[_Check, Sequence[nd.NDArray]]] = []
         if native and ctx.device_type == 'cpu':
             mine = [a for dtype in _NATIVE_DTYPES for a in by_dtype.pop(dtype, [])]
             if mine:
@@ -334,13 +363,15 @@ def _finite_plan(arrays, fused):
     return plan
 
 
-def scale_in_place(arrays, factor):
+def scale_in_place(arrays: Iterable[nd.NDArray], factor: float) -> None:
     """arrays[i] *= factor (unscaling gradients for clipping)."""
     for a in arrays:
         a *= factor
 
 
-def sparse_lars_factor(*, weight, grad, wd, eta, eps, rescale_grad, lars_min, lars_max):
+def sparse_lars_factor(*, weight: nd.NDArray, grad: nd.NDArray, wd: float, eta: float,
+                       eps: float, rescale_grad: float, lars_min: float,
+                       lars_max: float) -> float:
     """The LARS trust ratio of one layer with a row_sparse gradient, over the rows present
     (norms on the device, one value read back: the sparse kernels take lr as a float)."""
     rows = grad.indices
@@ -351,7 +382,8 @@ def sparse_lars_factor(*, weight, grad, wd, eta, eps, rescale_grad, lars_min, la
     return min(max(eta * wn / (gn + wd * wn + eps), lars_min), lars_max)
 
 
-def accumulate_sparse(*, acc, grad, first, rescale_grad):
+def accumulate_sparse(*, acc: nd.NDArray, grad: nd.NDArray, first: bool,
+                      rescale_grad: float) -> None:
     """acc = rescale_grad * grad (first) or acc + rescale_grad * grad, for a row_sparse gradient: a
     row_sparse accumulator keeps the union of the rows (memory proportional to the rows
     touched); a dense one is updated on the gradient's rows only."""

@@ -1,5 +1,7 @@
 """Gluon integration: bind a Trainer to mx_lbsgd's step protocol, create its kvstore early,
 and `LossScaling` (dynamic loss scaling for any Trainer and any optimizer)."""
+from __future__ import annotations
+
 import mxnet as mx
 
 from . import _compat
@@ -8,7 +10,7 @@ from .pipeline import binding as _binding
 
 __all__ = ['LossScaling', 'bind', 'init_kvstore']
 
-def bind(trainer, window=True):
+def bind(trainer: mx.gluon.Trainer, window: bool = True) -> mx.gluon.Trainer:
     """Bind `trainer` to mx_lbsgd's step protocol now (an mx_lbsgd optimizer binds its
     Trainer at the first step otherwise); returns `trainer`. window=False: reduce every
     micro-batch (the optimizer then accumulates the reduced gradients) instead of once per
@@ -17,7 +19,7 @@ def bind(trainer, window=True):
     return trainer
 
 
-def init_kvstore(trainer, batch_size):
+def init_kvstore(trainer: mx.gluon.Trainer, batch_size: int) -> None:
     """Create the Trainer's kvstore and broadcast the initial weights now, waiting for it.
 
     MXNet 1.9.1's Trainer does this lazily inside the first `step`, where the pull of the

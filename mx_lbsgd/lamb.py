@@ -1,9 +1,12 @@
 """`LAMB` ('lblamb'): MXNet's LAMB on the update pipeline, for large-batch transformer training."""
+from __future__ import annotations
+
 import math
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from ._checks import check_int, check_real
 from .families import LAMBFamily
-from .loss_scaling import as_scaler
+from .loss_scaling import DynamicLossScaler, as_scaler
 from .pipeline import PipelineOptimizer, TrustRatio, Warmup
 
 #: `trust_exclude=True`: BERT practice leaves LayerNorm/BatchNorm and biases out of the ratio
@@ -68,10 +71,16 @@ class LAMB(PipelineOptimizer):
 
     counts_applied_updates = True
 
-    def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-6,
-                 lower_bound=None, upper_bound=None, bias_correction=True,
-                 multi_precision=False, batch_scale=1, trust_exclude=None, fused=None,
-                 loss_scaler=None, count_skipped_steps=False, scale_key='default', **kwargs):
+    def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
+                 epsilon: float = 1e-6, lower_bound: Optional[float] = None,
+                 upper_bound: Optional[float] = None, bias_correction: bool = True,
+                 multi_precision: bool = False, batch_scale: int = 1,
+                 trust_exclude: Union[None, Literal[True], Sequence[str],
+                                      Callable[[str], bool]] = None,
+                 fused: Optional[bool] = None,
+                 loss_scaler: Union[DynamicLossScaler, float, None] = None,
+                 count_skipped_steps: bool = False, scale_key: str = 'default',
+                 **kwargs: Any) -> None:
         check_real('beta1', beta1, 0.0, 1.0, open_max=True)
         check_real('beta2', beta2, 0.0, 1.0, open_max=True)
         check_real('epsilon', epsilon, 0.0, open_min=True)
@@ -102,7 +111,7 @@ class LAMB(PipelineOptimizer):
                               or callable(trust_exclude) else tuple(trust_exclude))
         self._build_pieces()
 
-    def _build_pieces(self):
+    def _build_pieces(self) -> None:
         super()._build_pieces()
         upper = self.upper_bound
         self._family = LAMBFamily(self.beta1, self.beta2, self.epsilon, self.lower_bound,

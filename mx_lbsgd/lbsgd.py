@@ -1,8 +1,12 @@
 """`LBSGD`: large-batch SGD with warmup, LARS, gradient accumulation and fp32 master weights."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
 from ._checks import check_choice, check_int, check_real
 from ._legacy import Ledger as _Ledger  # noqa: F401  (mx_lbsgd 0.1 files pickle this name)
 from .families import SGDFamily
-from .loss_scaling import as_scaler
+from .loss_scaling import DynamicLossScaler, as_scaler
 from .pipeline import DEFAULT_LARS_EXCLUDE, PipelineOptimizer, TrustRatio, Warmup
 from .schedules import WARMUP_SHAPES, WARMUP_STRATEGIES
 
@@ -125,11 +129,16 @@ class LBSGD(PipelineOptimizer):
         LARS norms of such a layer cover the rows present and are read back once.
     """
 
-    def __init__(self, momentum=0.0, multi_precision=False, warmup_strategy='linear',
-                 warmup_epochs=5, batch_scale=1, updates_per_epoch=32, begin_epoch=0,
-                 num_epochs=60, lars=None, lars_eta=0.001, lars_eps=0.0, lars_min=0.0,
-                 lars_max=float('inf'), lars_exclude=None, fused=None, loss_scaler=None,
-                 count_skipped_steps=False, scale_key='default', lazy_update=True, **kwargs):
+    def __init__(self, momentum: float = 0.0, multi_precision: bool = False,
+                 warmup_strategy: str = 'linear', warmup_epochs: float = 5,
+                 batch_scale: int = 1, updates_per_epoch: int = 32, begin_epoch: int = 0,
+                 num_epochs: int = 60, lars: Optional[bool] = None, lars_eta: float = 0.001,
+                 lars_eps: float = 0.0, lars_min: float = 0.0, lars_max: float = float('inf'),
+                 lars_exclude: Union[None, Sequence[str], Callable[[str], bool]] = None,
+                 fused: Optional[bool] = None,
+                 loss_scaler: Union[DynamicLossScaler, float, None] = None,
+                 count_skipped_steps: bool = False, scale_key: str = 'default',
+                 lazy_update: bool = True, **kwargs: Any) -> None:
         check_real('momentum', momentum, 0.0, 1.0, open_max=True)
         check_choice('warmup_strategy', warmup_strategy, WARMUP_STRATEGIES)
         check_real('warmup_epochs', warmup_epochs, 0.0)
@@ -178,7 +187,7 @@ class LBSGD(PipelineOptimizer):
         self.lazy_update = bool(lazy_update)
         self._build_pieces()
 
-    def _build_pieces(self):
+    def _build_pieces(self) -> None:
         super()._build_pieces()
         self._family = SGDFamily(self.momentum, self.lazy_update)
         self._warmup = Warmup(self.warmup_strategy if self.warmup_strategy in WARMUP_SHAPES

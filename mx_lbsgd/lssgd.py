@@ -1,6 +1,10 @@
 """`LossScaledSGD` ('lssgd'): SGD with dynamic loss scaling built into the optimizer."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
 from .lbsgd import LBSGD
-from .loss_scaling import as_scaler
+from .loss_scaling import DynamicLossScaler, as_scaler
 
 
 class LossScaledSGD(LBSGD):
@@ -46,8 +50,10 @@ class LossScaledSGD(LBSGD):
         Overflow reports, as in :class:`LBSGD`.
     """
 
-    def __init__(self, momentum=0.0, multi_precision=False, loss_scaler=None,
-                 count_skipped_steps=False, scale_key='default', fused=None, **kwargs):
+    def __init__(self, momentum: float = 0.0, multi_precision: bool = False,
+                 loss_scaler: Union[DynamicLossScaler, float, None] = None,
+                 count_skipped_steps: bool = False, scale_key: str = 'default',
+                 fused: Optional[bool] = None, **kwargs: Any) -> None:
         for fixed in ('batch_scale', 'warmup_strategy', 'warmup_epochs'):
             if fixed in kwargs:
                 raise ValueError(

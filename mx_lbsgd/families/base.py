@@ -7,7 +7,8 @@ paths that take one keyword-only signature (as torch's ``optim/sgd.py`` kernels 
   float32 weights or float16 with float32 master copies, when the library is built);
 - ``single_tensor``: MXNet's operators one tensor at a time;
 - ``multi_tensor``: MXNet's multi-tensor operators (the GPU path);
-- ``run_sparse``: tensors with non-default storage, one by one (families that have it).
+- ``run_sparse``: tensors with non-default storage, one by one (families that have it:
+  `SparseKernelFamily`).
 
 The optimizer shell (`mx_lbsgd.pipeline`) picks the path per group of tensors and calls
 `KernelFamily.run`; accumulation, warmup, the trust ratio and the loss-scale gate do not
@@ -37,7 +38,7 @@ class KernelFamily(Protocol):
     """What the optimizer shell needs of a kernel family."""
 
     name: str                  # MXNet's optimizer of the same rule, for messages
-    supports_sparse: bool      # whether `run_sparse` exists
+    supports_sparse: bool      # whether `run_sparse` exists (a `SparseKernelFamily`)
     trust_in_kernel: bool      # True: the kernels compute the trust ratio (LAMB)
     single_tensor: Kernel
     multi_tensor: Kernel
@@ -66,6 +67,11 @@ class KernelFamily(Protocol):
             clip_gradient: Optional[float], scratch: dict, steps: List[int],
             ratio_applies: Optional[List[bool]]) -> None:
         """Run `kernel` (one of this family's) on a group of tensors."""
+
+
+class SparseKernelFamily(KernelFamily, Protocol):
+    """A kernel family with ``supports_sparse`` True: it also updates tensors with
+    non-default storage."""
 
     def run_sparse(self, *, weights: List[nd.NDArray], grads: List[nd.NDArray],
                    states: List[FamilyState], masters: List[Optional[nd.NDArray]],

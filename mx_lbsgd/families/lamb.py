@@ -97,7 +97,7 @@ def _native_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments], maste
               + (list(masters) if mp else []))
     applies = [1] * len(weights) if ratio_applies is None else [int(a) for a in ratio_applies]
     numbers = _native.attribute_list
-    _native.ops().lamb_update(
+    _native.ops().lamb_update(  # type: ignore[union-attr]  # chosen only when ops() is set
         *arrays, num_tensors=len(weights), multi_precision=int(mp), lrs=numbers(lrs),
         wds=numbers(wds), steps=numbers(steps), applies=numbers(applies), beta1=beta1,
         beta2=beta2, epsilon=epsilon, bias_correction=int(bias_correction),

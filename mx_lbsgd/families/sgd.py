@@ -62,8 +62,9 @@ def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters
             op(*tensors, out=target, lr=lrs[i], wd=wds[i], **kwargs)
         else:
             _preloaded(native, m is not None)(
-                *tensors, lr_vector[i:i + 1], wd_vector[i:i + 1], out=[target], num_weights=1,
-                **kwargs)
+                *tensors, lr_vector[i:i + 1],
+                wd_vector[i:i + 1],  # type: ignore[index]  # set whenever lr_vector is
+                out=[target], num_weights=1, **kwargs)
         if w32 is not None and not native:
             nd.Cast(w32, dtype=w.dtype, out=w)
 
@@ -80,7 +81,7 @@ def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
     with_mom = moms[0] is not None
     arrays = list(weights) + list(grads) + (list(moms) if with_mom else []) + \
         (list(masters) if mp else []) + ([lr_vector] if lr_vector is not None else [])
-    _native.ops().sgd_update(
+    _native.ops().sgd_update(  # type: ignore[union-attr]  # chosen only when ops() is set
         *arrays, num_tensors=len(weights), has_momentum=int(with_mom),
         momentum=momentum if with_mom else 0.0, multi_precision=int(mp),
         preloaded=int(lr_vector is not None), lrs=_native.attribute_list(lrs),
@@ -125,8 +126,9 @@ def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters:
                lrs=tuple(lrs[part]), wds=tuple(wds[part]), **kwargs)
         else:
             _preloaded(native, with_mom)(
-                *tensors, lr_vector[start:end], wd_vector[start:end], out=targets[part],
-                num_weights=end - start, **kwargs)
+                *tensors, lr_vector[start:end],
+                wd_vector[start:end],  # type: ignore[index]  # set whenever lr_vector is
+                out=targets[part], num_weights=end - start, **kwargs)
     if cast_down:
         _cast_down(weights, masters)
 

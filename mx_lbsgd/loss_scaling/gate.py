@@ -18,9 +18,27 @@ decides once per step instead, with one host read:
   after the decision without having been checked (a second device in Module's first step)
   is checked on its own and, if it overflows, its group is skipped with a warning.
 """
+from __future__ import annotations
+
 import warnings
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Generic, List, NoReturn, Optional,
+                    Sequence, Set, Tuple, TypeVar)
+
+from mxnet import nd
 
 from .. import _compat, _kernels
+
+if TYPE_CHECKING:
+    from .scaler import DynamicLossScaler
+
+#: the finite check: (gradients, fused) -> whether every element is finite
+Check = Callable[[Sequence[nd.NDArray], Optional[bool]], bool]
+#: a call's (context, index) key
+Key = Tuple[Any, Any]
+#: what a caller submits as a call (the optimizer shell: an Updater call's lists)
+C = TypeVar('C')
+#: a call to run, and whether it applies (False: its step is skipped)
+Run = Tuple[C, bool]
 
 _KVSTORE_REFUSAL = (
     '%s cannot run with update_on_kvstore=True: the kvstore updates each parameter as soon '
@@ -29,18 +47,19 @@ _KVSTORE_REFUSAL = (
     'variable MXNET_UPDATE_ON_KVSTORE=0')
 
 
-def refuse_kvstore_updates(owner):
+def refuse_kvstore_updates(owner: str) -> NoReturn:
     """Raise the one refusal of loss scaling on a kvstore that updates the weights.
     `owner` names who refuses (an optimizer class name, or 'LossScaling')."""
     raise ValueError(_KVSTORE_REFUSAL % owner)
 
 
-def all_finite(grads, fused):
+def all_finite(grads: Sequence[nd.NDArray], fused: Optional[bool]) -> bool:
     """True when every element of every gradient is finite (one host read)."""
     return bool(_kernels.finite_flag(grads, fused).asscalar())
 
 
-def decide(scaler, grads, fused, check=all_finite):
+def decide(scaler: DynamicLossScaler, grads: Sequence[nd.NDArray], fused: Optional[bool],
+           check: Check = all_finite) -> bool:
     """One loss-scaling step: check `grads`, account the result in `scaler` (grow, back
     off, count). Returns True when the step is to be applied."""
     if not scaler.enabled:
@@ -48,52 +67,56 @@ def decide(scaler, grads, fused, check=all_finite):
     return scaler.update(not check(grads, fused))
 
 
-def unscale_factor(scale):
+def unscale_factor(scale: float) -> float:
     """The factor folded into the update's ``rescale_grad`` for gradients carrying `scale`."""
     return 1.0 / scale
 
 
-def _handle(array):
+def _handle(array: nd.NDArray) -> int:
     return _compat.buffer_id(array)
 
 
-class StepGate:
+class StepGate(Generic[C]):
     """Step-level all-or-nothing decisions for an optimizer (see the module docstring).
 
     `check(grads, fused) -> bool` is the finite check (injected so that the gate's
     bookkeeping is testable without MXNet kernels).
     """
 
-    def __init__(self, fused=None, check=all_finite):
+    def __init__(self, fused: Optional[bool] = None, check: Check = all_finite) -> None:
         self.fused = fused
         self.check = check
-        self._delivered = set()   # keys of this step
-        self._expected = set()    # keys of the previous step
-        self._awaiting = set()    # keys whose state was created but not yet delivered
-        self._pending = []        # calls held back: (grads, call)
-        self._checked = set()     # handles of the gradients the decision covered
+        self._delivered: Set[Key] = set()   # keys of this step
+        self._expected: Set[Key] = set()    # keys of the previous step
+        self._awaiting: Set[Key] = set()    # keys whose state was created but not yet delivered
+        # calls held back: (grads, call)
+        self._pending: List[Tuple[Sequence[nd.NDArray], C]] = []
+        self._checked: Set[int] = set()       # handles of the gradients the decision covered
         self._complete = False    # the decision covered the whole step (Gluon)
         self._boundary = False
-        self._fresh = None        # every gradient of the step (Gluon), from new_step()
-        self.skip = None          # None: this step is not decided yet
+        # every gradient of the step (Gluon), from new_step()
+        self._fresh: Optional[Sequence[nd.NDArray]] = None
+        self.skip: Optional[bool] = None    # None: this step is not decided yet
         self._reported = False    # whether a skipped step was handed to `take_skip`
         self.loss_scale = 1.0     # the loss scale the decided step's gradients carry
-        self._decision = None     # (skip, checked gradients, calls) until `take_decision`
+        # (skip, checked gradients, calls) until `take_decision`
+        self._decision: Optional[Tuple[bool, Sequence[nd.NDArray], List[C]]] = None
 
-    def created(self, key):
+    def created(self, key: Key) -> None:
         self._awaiting.add(key)
 
-    def new_step(self, fresh=None):
+    def new_step(self, fresh: Optional[Sequence[nd.NDArray]] = None) -> None:
         """The next call starts a step; `fresh` lists all of its gradients when the caller
         knows them (a gluon Trainer)."""
         self._boundary = True
         self._fresh = fresh
 
-    def submit(self, keys, grads, call, scaler, scale):
+    def submit(self, keys: Sequence[Key], grads: Sequence[nd.NDArray], call: C,
+               scaler: DynamicLossScaler, scale: float) -> List[Run[C]]:
         """Returns the calls to run now as (call, apply) pairs, in submission order.
         `scaler` is updated once per step, when the step is decided; `scale` (what the
         gradients carry) is kept in ``self.loss_scale`` then."""
-        runs = []
+        runs: List[Run[C]] = []
         if self._boundary or any(k in self._delivered for k in keys):
             fresh = self._fresh if self._boundary else None
             runs = self._end_step(scaler)
@@ -108,21 +131,21 @@ class StepGate:
             self.loss_scale = scale
         return runs + self._release(scaler)
 
-    def take_skip(self):
+    def take_skip(self) -> bool:
         """True once per skipped step, for whoever accounts it."""
         if self.skip and not self._reported:
             self._reported = True
             return True
         return False
 
-    def take_decision(self):
+    def take_decision(self) -> Optional[Tuple[bool, Sequence[nd.NDArray], List[C]]]:
         """(skip, the gradients checked, the calls decided with them) once per decided step,
         else None: what an overflow report needs, kept by reference (no copy, no read)."""
         decision, self._decision = self._decision, None
         return decision
 
-    def _end_step(self, scaler):
-        runs = []
+    def _end_step(self, scaler: DynamicLossScaler) -> List[Run[C]]:
+        runs: List[Run[C]] = []
         if self._pending:
             warnings.warn('a step delivered fewer parameters than the one before; its '
                           'updates ran late, at the start of the next step', RuntimeWarning)
@@ -133,14 +156,14 @@ class StepGate:
         self._fresh = None
         return runs
 
-    def _release(self, scaler):
+    def _release(self, scaler: DynamicLossScaler) -> List[Run[C]]:
         ready, self._pending = self._pending, []
         if self.skip is None:
             if self._fresh is not None:
                 self._complete = True
                 grads = self._fresh
             else:
-                seen = {}
+                seen: Dict[int, nd.NDArray] = {}
                 for g in (g for grads, _ in ready for g in grads):
                     seen.setdefault(_handle(g), g)
                 self._checked = set(seen)
@@ -148,7 +171,7 @@ class StepGate:
             self.skip = not decide(scaler, grads, self.fused, self.check)
             self._decision = (self.skip, grads, [c for _, c in ready])
             return [(c, not self.skip) for _, c in ready]
-        runs = []
+        runs: List[Run[C]] = []
         for grads, c in ready:
             apply_ = not self.skip
             if apply_ and not self._complete and scaler.enabled:

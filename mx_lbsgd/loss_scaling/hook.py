@@ -1,6 +1,9 @@
 """`LossScaling`: dynamic loss scaling for any `gluon.Trainer` and any optimizer."""
+from __future__ import annotations
+
 import warnings
 import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import mxnet as mx
@@ -9,7 +12,7 @@ from .. import _compat, _kernels
 from .._checks import check_choice, check_int, check_real
 from ..pipeline import binding as _binding
 from . import gate as _scaling, overflow
-from .scaler import as_scaler
+from .scaler import DynamicLossScaler, as_scaler
 
 
 class LossScaling(overflow.OverflowViews):
@@ -60,9 +63,11 @@ class LossScaling(overflow.OverflowViews):
     step); ``overflow_history`` and ``overflow_tally`` keep the recent ones.
     """
 
-    def __init__(self, trainers, scaler=None, force=False, fused=None,
-                 history_size=overflow.HISTORY_SIZE, log_interval=overflow.LOG_INTERVAL,
-                 check_local=False):
+    def __init__(self, trainers: Union[mx.gluon.Trainer, Iterable[mx.gluon.Trainer]],
+                 scaler: Union[DynamicLossScaler, float, None] = None, force: bool = False,
+                 fused: Optional[bool] = None, history_size: int = overflow.HISTORY_SIZE,
+                 log_interval: float = overflow.LOG_INTERVAL,
+                 check_local: bool = False) -> None:
         self.trainers = [trainers] if isinstance(trainers, mx.gluon.Trainer) else list(trainers)
         if not self.trainers or not all(isinstance(t, mx.gluon.Trainer) for t in self.trainers):
             raise TypeError('trainers must be a gluon.Trainer or a list of them; got %r'
@@ -80,27 +85,31 @@ class LossScaling(overflow.OverflowViews):
         self._overflow = overflow.OverflowMonitor(
             check_int('history_size', history_size, 0),
             check_real('log_interval', log_interval, 0.0, allow_inf=True))
-        self._local_flag = None
-        self._active = None            # decided on first use, once gradients exist
+        self._local_flag: Optional[mx.nd.NDArray] = None
+        self._active: Optional[bool] = None     # decided on first use, once gradients exist
         self._reduced = False
         self._unscaled = False
-        self._means = None             # per trainer, the mean-over-workers factor unscale() used
-        self.batch_size = None         # of the last step() (GradientNoiseScale reads it)
+        # per trainer, the mean-over-workers factor unscale() used
+        self._means: Optional[List[float]] = None
+        # of the last step() (GradientNoiseScale reads it)
+        self.batch_size: Optional[int] = None
         for t in self.trainers:
             _binding.bind(t, window=False).loss_scaling = weakref.ref(self)
 
     @property
-    def scale(self):
+    def scale(self) -> float:
         return self.scaler.scale if self._is_active() else 1.0
 
-    def _params(self, trainers=None):
+    def _params(self, trainers: Optional[Sequence[mx.gluon.Trainer]] = None
+                ) -> List[mx.gluon.Parameter]:
         return [p for t in (self.trainers if trainers is None else trainers)
                 for p in _compat.trainer_params(t) if p.grad_req != 'null']
 
-    def _grads(self, trainers=None):
+    def _grads(self, trainers: Optional[Sequence[mx.gluon.Trainer]] = None
+               ) -> List[mx.nd.NDArray]:
         return [_compat.legacy(g) for p in self._params(trainers) for g in p.list_grad()]
 
-    def _is_active(self):
+    def _is_active(self) -> bool:
         if self._active is None:
             params = self._params()
             if not params:
@@ -112,7 +121,7 @@ class LossScaling(overflow.OverflowViews):
                               '(pass force=True to scale float32 gradients anyway)')
         return self._active
 
-    def _prepare(self):
+    def _prepare(self) -> None:
         for t in self.trainers:
             _compat.init_trainer_kvstore(t)
             if _compat.trainer_updates_on_kvstore(t):
@@ -124,14 +133,16 @@ class LossScaling(overflow.OverflowViews):
                 t.allreduce_grads()
             self._reduced = True
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Union[mx.nd.NDArray, List[mx.nd.NDArray],
+                                     Tuple[mx.nd.NDArray, ...]]
+                   ) -> Union[mx.nd.NDArray, List[mx.nd.NDArray]]:
         """loss * scale (a list of losses gives a list)."""
         scale = self.scale
         if isinstance(loss, (list, tuple)):
             return [l * scale for l in loss]
         return loss * scale
 
-    def unscale(self):
+    def unscale(self) -> None:
         """All-reduce, then divide the gradients by the scale in place, e.g. before clipping.
 
         Afterwards every device's gradient holds the mean over workers of each worker's
@@ -150,7 +161,7 @@ class LossScaling(overflow.OverflowViews):
                 _kernels.scale_in_place(self._grads([trainer]), mean / scale)
         self._unscaled = True
 
-    def clip_global_norm(self, max_norm):
+    def clip_global_norm(self, max_norm: float) -> mx.nd.NDArray:
         """Clip the unscaled gradients to a global L2 norm of `max_norm` on each device
         (the norm of the mean over workers, see `unscale`: the same threshold on one
         worker or many). Returns the norm (an NDArray on the first device) without a host
@@ -158,14 +169,14 @@ class LossScaling(overflow.OverflowViews):
         if not self._unscaled:
             raise RuntimeError('call unscale() before clip_global_norm(): the gradients are '
                                'still multiplied by the loss scale')
-        by_ctx = {}
+        by_ctx: Dict[Any, List[mx.nd.NDArray]] = {}
         for g in self._grads():
             by_ctx.setdefault(g.context, []).append(g)
         norms = [mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)
                  for grads in by_ctx.values()]
         return norms[0]
 
-    def step(self, batch_size, ignore_stale_grad=False):
+    def step(self, batch_size: int, ignore_stale_grad: bool = False) -> bool:
         """Check, then apply or skip the update, then adjust the scale. True if applied."""
         self.batch_size = batch_size
         self._prepare()
@@ -183,7 +194,8 @@ class LossScaling(overflow.OverflowViews):
                 account(applied)
         if applied:
             fold = 1.0 if (self._unscaled or not active) else _scaling.unscale_factor(scale)
-            for t, mean in zip(self.trainers, self._means if self._unscaled
+            # (unscale() set self._means)
+            for t, mean in zip(self.trainers, cast(List[float], self._means) if self._unscaled
                                else [1.0] * len(self.trainers)):
                 # after unscale() the gradients hold the mean over workers: the update's
                 # rescale_grad (Trainer scale / batch) takes the factor back
@@ -192,10 +204,10 @@ class LossScaling(overflow.OverflowViews):
         self._reduced = self._unscaled = False
         return applied
 
-    def _workers(self):
+    def _workers(self) -> Tuple[Optional[int], int]:
         return overflow.step_worker(self.trainers[0])
 
-    def _report(self, scale):
+    def _report(self, scale: float) -> None:
         named = [(p.name, _compat.legacy(g)) for p in self._params() for g in p.list_grad()]
         # an mx_lbsgd optimizer accumulating after the reduction: each micro-batch is a step
         self._overflow.report_skip(

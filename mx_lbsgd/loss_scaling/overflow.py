@@ -15,19 +15,25 @@ logs "OVERFLOW! Rank 0 Skipping step" on rank 0 with the old and new scale. Here
 names the parameters, kinds, counts, micro-batch, step, scale and rank, and says what the
 reduction hid (`OverflowReport.note`).
 """
+from __future__ import annotations
+
 import collections
 import dataclasses
 import logging
 import time
 import types
 import warnings
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Counter, Deque, Dict, Iterable, List,
+                    Mapping, Optional, Sequence, Tuple, cast)
 
 import numpy as np
 import mxnet as mx
 from mxnet import nd
 
 from .. import _compat
+
+if TYPE_CHECKING:
+    from .scaler import DynamicLossScaler
 
 _log = logging.getLogger('mx_lbsgd')
 
@@ -41,7 +47,7 @@ class LossScaleFallingWarning(RuntimeWarning):
     """The loss scale keeps falling (see `DynamicLossScaler`'s warn_* settings).
     ``offenders``: [(parameter name, skipped steps it overflowed in)], most first."""
 
-    def __init__(self, message, offenders=()):
+    def __init__(self, message: str, offenders: Iterable[Tuple[str, int]] = ()) -> None:
         super().__init__(message)
         self.offenders = list(offenders)
 
@@ -72,7 +78,7 @@ class OverflowReport:
     originated_here: Optional[bool] = None
     note: str = ''
 
-    def __str__(self):
+    def __str__(self) -> str:
         where = '' if self.rank is None else ', rank %d of %d' % (self.rank, self.num_workers)
         if self.micro_batch is not None:
             where += ', micro-batch %d' % self.micro_batch
@@ -83,7 +89,8 @@ class OverflowReport:
             ' ' + self.note if self.note else '')
 
 
-def _device_values(grads, local_flags):
+def _device_values(grads: Sequence[nd.NDArray],
+                   local_flags: Optional[Mapping[int, nd.NDArray]]) -> Optional[nd.NDArray]:
     """One float32 vector on the CPU, computed on the devices without a host read: per
     gradient its inf and nan counts (fp16 counted in fp32, exact to 2**24 per tensor), then
     the local flags in key order."""
@@ -93,17 +100,19 @@ def _device_values(grads, local_flags):
         if g.dtype == np.float16:
             g = g.astype(np.float32)
         parts += [(nd.abs(g) == np.inf).sum(), (g != g).sum()]
-    parts += [local_flags[k] for k in sorted(local_flags or ())]
+    flags = local_flags or {}
+    parts += [flags[k] for k in sorted(flags)]
     if not parts:
         return None
     return nd.concat(*[p.astype(np.float32, copy=False).as_in_context(mx.cpu())
                        for p in parts], dim=0)
 
 
-def _by_parameter(names, counts):
+def _by_parameter(names: Sequence[str],
+                  counts: Sequence[Tuple[int, int]]) -> Dict[str, Tuple[str, int]]:
     """{name: (kind, count)} ordered by count, most first; copies of one parameter merge
     (kind over the copies, count of the copy with the most)."""
-    merged = {}
+    merged: Dict[str, Tuple[bool, bool, int]] = {}
     for name, (inf, nan) in zip(names, counts):
         if inf or nan:
             had_inf, had_nan, most = merged.get(name, (False, False, 0))
@@ -117,11 +126,12 @@ class _Pending:
     """A skipped step's report as device values; `report()` reads them (one host read) the
     first time someone looks: `last_overflow`, the history, a log record, the tally."""
 
-    def __init__(self, names, values, local_keys, meta):
+    def __init__(self, names: List[str], values: Optional[nd.NDArray], local_keys: List[int],
+                 meta: Dict[str, Any]) -> None:
         self._names, self._values, self._keys, self._meta = names, values, local_keys, meta
-        self._report = None
+        self._report: Optional[OverflowReport] = None
 
-    def report(self):
+    def report(self) -> OverflowReport:
         if self._report is None:
             host = ([] if self._values is None
                     else self._values.asnumpy().astype(np.int64).tolist())
@@ -139,7 +149,8 @@ class _Pending:
         return self._report
 
 
-def _locate(*, flags, micro_batch, num_workers, window):
+def _locate(*, flags: Dict[int, bool], micro_batch: Optional[int], num_workers: int,
+            window: int) -> Tuple[Optional[int], Optional[bool], str]:
     """(micro_batch, originated_here, note) from what this worker can know; `flags`:
     {micro-batch (0: the step): finite?} of this worker's gradients before the reduction."""
     failed = [k for k, ok in flags.items() if not ok]
@@ -181,18 +192,20 @@ class OverflowViews:
     """`last_overflow`, `overflow_history` and `overflow_tally` of an object that keeps its
     reports in ``self._overflow`` (the loss-scaled optimizers and the LossScaling hook)."""
 
+    _overflow: OverflowMonitor
+
     @property
-    def last_overflow(self):
+    def last_overflow(self) -> Optional[OverflowReport]:
         """The `OverflowReport` of the last step if it was skipped, else None."""
         return self._overflow.last
 
     @property
-    def overflow_history(self):
+    def overflow_history(self) -> Deque[OverflowReport]:
         """The last reports (a deque, oldest first)."""
         return self._overflow.history
 
     @property
-    def overflow_tally(self):
+    def overflow_tally(self) -> Counter[str]:
         """{parameter name: skipped steps it overflowed in}."""
         return self._overflow.tally
 
@@ -206,35 +219,38 @@ class OverflowMonitor:
     is looked at, logged (INFO enabled for 'mx_lbsgd'), warned about, or is about to leave
     the history untallied."""
 
-    def __init__(self, history_size=HISTORY_SIZE, log_interval=LOG_INTERVAL):
+    def __init__(self, history_size: int = HISTORY_SIZE,
+                 log_interval: float = LOG_INTERVAL) -> None:
         self.history_size = history_size
-        self._tally = collections.Counter()
+        self._tally: Counter[str] = collections.Counter()
         self.log_interval = log_interval
-        self._last = None
-        self._recent = collections.deque(maxlen=history_size)
-        self._untallied = collections.deque()
-        self._clock = time.monotonic
-        self._last_log = None
+        self._last: Optional[_Pending] = None
+        self._recent: Deque[_Pending] = collections.deque(maxlen=history_size)
+        self._untallied: Deque[_Pending] = collections.deque()
+        self._clock: Callable[[], float] = time.monotonic
+        self._last_log: Optional[float] = None
         self._suppressed = 0
 
     @property
-    def last(self):
+    def last(self) -> Optional[OverflowReport]:
         return None if self._last is None else self._last.report()
 
     @property
-    def history(self):
+    def history(self) -> Deque[OverflowReport]:
         return collections.deque((p.report() for p in self._recent), maxlen=self.history_size)
 
     @property
-    def tally(self):
+    def tally(self) -> Counter[str]:
         self._settle(len(self._untallied))
         return self._tally
 
-    def finite(self):
+    def finite(self) -> None:
         self._last = None
 
-    def skipped(self, *, scaler, scale, named_grads, micro_batch=None, local_flags=None,
-                rank=None, num_workers=1, window=0):
+    def skipped(self, *, scaler: DynamicLossScaler, scale: float,
+                named_grads: Sequence[Tuple[str, nd.NDArray]], micro_batch: Optional[int] = None,
+                local_flags: Optional[Mapping[int, nd.NDArray]] = None,
+                rank: Optional[int] = None, num_workers: int = 1, window: int = 0) -> None:
         """Keep the report of a skipped step (device values), log it, warn on the scaler's
         alert. `window`: the window's size when the checked gradient is a Trainer window's
         mean."""
@@ -272,11 +288,11 @@ class OverflowMonitor:
                      micro_batch=micro_batch, local_flags=local_flags, rank=rank,
                      num_workers=workers, window=batch_scale if at_trainer else 0)
 
-    def _settle(self, n):
+    def _settle(self, n: int) -> None:
         for _ in range(max(n, 0)):
             self._tally.update(self._untallied.popleft().report().parameters.keys())
 
-    def _log(self, pending):
+    def _log(self, pending: _Pending) -> None:
         now = self._clock()
         if self._last_log is not None and now - self._last_log < self.log_interval:
             self._suppressed += 1
@@ -284,16 +300,17 @@ class OverflowMonitor:
         if not _log.isEnabledFor(logging.INFO):
             return
         report = pending.report()
+        # (steps are suppressed only after a first record, so _last_log is set then)
         tail = ('' if not self._suppressed else ' [%d more skipped step(s) not logged in the '
-                'last %.0f s]' % (self._suppressed, now - self._last_log))
+                'last %.0f s]' % (self._suppressed, now - cast(float, self._last_log)))
         _log.info('%s%s', report, tail, extra={'overflow_report': report,
                                               'suppressed': self._suppressed})
         self._last_log, self._suppressed = now, 0
 
-    def top_offenders(self, n=TOP_OFFENDERS):
+    def top_offenders(self, n: int = TOP_OFFENDERS) -> List[Tuple[str, int]]:
         return self.tally.most_common(n)
 
-    def _warn(self, alert):
+    def _warn(self, alert: str) -> None:
         top = self.top_offenders()
         named = ', '.join('%s (%d step(s))' % item for item in top) or 'none named'
         message = ('%s. Parameters that overflowed most: %s. Lower the learning rate, clip '

@@ -20,15 +20,25 @@ position is read from the optimizer's micro-batch count at each reduction, so wh
 restores the counters (`mx_lbsgd.checkpoint`, MXNet's ``Trainer.load_states``) restores the
 window. A Trainer is bound at its first step (or by `bind`), once.
 """
+from __future__ import annotations
+
 import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mxnet as mx
 
 from .. import _compat, _kernels
 from .window import TrainerWindow
 
-_BINDINGS = weakref.WeakKeyDictionary()
+if TYPE_CHECKING:
+    from ..loss_scaling.hook import LossScaling
+    from .shell import PipelineOptimizer
+
+_BINDINGS: weakref.WeakKeyDictionary[mx.gluon.Trainer, TrainerBinding] = \
+    weakref.WeakKeyDictionary()
 
 
-def bind(trainer, window=True):
+def bind(trainer: mx.gluon.Trainer, window: bool = True) -> TrainerBinding:
     """The Trainer's binding, created on first use. window=False reduces every micro-batch
     from now on (the optimizer accumulates after the reduction)."""
     binding = _BINDINGS.get(trainer)
@@ -39,12 +49,12 @@ def bind(trainer, window=True):
     return binding
 
 
-def bound(trainer):
+def bound(trainer: mx.gluon.Trainer) -> Optional[TrainerBinding]:
     """The Trainer's binding, or None."""
     return _BINDINGS.get(trainer)
 
 
-def loss_scaling_of(trainer):
+def loss_scaling_of(trainer: mx.gluon.Trainer) -> Optional[LossScaling]:
     """The `LossScaling` hook attached to `trainer` last (alive), or None."""
     binding = _BINDINGS.get(trainer)
     ref = None if binding is None else binding.loss_scaling
@@ -52,29 +62,33 @@ def loss_scaling_of(trainer):
 
 
 class TrainerBinding:
-    def __init__(self, trainer):
+    def __init__(self, trainer: mx.gluon.Trainer) -> None:
         self._trainer = weakref.ref(trainer)
         self.window_at_reduction = True
         self.window = TrainerWindow()
-        self._closes = None        # what the last reduction did to the window
-        self._flags = None         # {micro-batch (0: the step): device-side finite flag}
-        self._accs = {}            # id(state) -> (state, accumulator): split once per state
+        # what the last reduction did to the window
+        self._closes: Optional[bool] = None
+        # {micro-batch (0: the step): device-side finite flag}
+        self._flags: Optional[Dict[int, mx.nd.NDArray]] = None
+        # id(state) -> (state, accumulator): split once per state
+        self._accs: Dict[int, Tuple[Any, Optional[mx.nd.NDArray]]] = {}
         self._sparse = _compat.has_sparse_gradients(trainer)
         # read-only watchers of the gradients (GradientNoiseScale): before_reduction(trainer,
         # opt) per micro-batch, after_reduction(trainer, opt, closes_window) per reduction
-        self.observers = []
+        self.observers: List[Any] = []
         # weakref to the LossScaling hook over this Trainer (its scaler goes into
         # mx_lbsgd.checkpoint files), or None
-        self.loss_scaling = None
+        self.loss_scaling: Optional[weakref.ref[LossScaling]] = None
         if hasattr(trainer.optimizer, 'begin_step'):
             _refuse_dist_sparse_gradients(trainer)
         _compat.wrap_trainer_step(trainer, self._reduce, self._update)
 
-    def _optimizer(self):
-        opt = self._trainer().optimizer
+    def _optimizer(self) -> Optional[PipelineOptimizer]:
+        # (the Trainer is alive: this runs inside its step)
+        opt = self._trainer().optimizer  # type: ignore[union-attr]
         return opt if hasattr(opt, 'begin_step') else None
 
-    def _reduce(self, original):
+    def _reduce(self, original: Callable[[], Any]) -> Any:
         trainer, opt = self._trainer(), self._optimizer()
         self._closes = None
         if opt is None:
@@ -104,13 +118,14 @@ class TrainerBinding:
             self._flags[position + 1] = self.window.flag
         return self._reduced(original, trainer, opt, True) if self._closes else None
 
-    def _reduced(self, original, trainer, opt, closes_window):
+    def _reduced(self, original: Callable[[], Any], trainer: mx.gluon.Trainer,
+                 opt: PipelineOptimizer, closes_window: bool) -> Any:
         result = original()
         for observer in self.observers:
             observer.after_reduction(trainer, opt, closes_window)
         return result
 
-    def _update(self, original, *args, **kwargs):
+    def _update(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         opt = self._optimizer()
         if opt is not None:
             trainer = self._trainer()
@@ -125,10 +140,14 @@ class TrainerBinding:
         self._closes = None
         return original(*args, **kwargs)
 
-    def _buffers(self, trainer, opt):
+    def _buffers(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer
+                 ) -> Tuple[List[mx.nd.NDArray], List[Optional[mx.nd.NDArray]]]:
         """The fresh gradients and their accumulators (created in the Updater's states when
         the Updater has not created them yet), device by device."""
-        grads, accs, used, missed = [], [], {}, False
+        grads: List[mx.nd.NDArray] = []
+        accs: List[Optional[mx.nd.NDArray]] = []
+        used: Dict[int, Tuple[Any, Optional[mx.nd.NDArray]]] = {}
+        missed = False
         updaters = _compat.trainer_updaters(trainer)
         for i, param in enumerate(_compat.trainer_params(trainer)):
             if param.grad_req == 'null':
@@ -150,7 +169,7 @@ class TrainerBinding:
         return grads, accs
 
 
-def _refuse_dist_sparse_gradients(trainer):
+def _refuse_dist_sparse_gradients(trainer: mx.gluon.Trainer) -> None:
     """Checked when a Trainer is bound (its first step), before its kvstore exists."""
     kind = _compat.trainer_kvstore_type(trainer)
     if kind and kind.startswith('dist'):
@@ -158,7 +177,8 @@ def _refuse_dist_sparse_gradients(trainer):
                                            kind, type(trainer.optimizer).__name__)
 
 
-def refuse_sparse_gradients_on_servers(names, kind, owner):
+def refuse_sparse_gradients_on_servers(names: Sequence[str], kind: Optional[str],
+                                       owner: str) -> None:
     """Dense weights with row_sparse gradients on a dist kvstore: MXNet 1.9.1 pushes the
     sparse gradients into keys initialized dense, and the server aborts ("copying size
     mismatch"; with mx.optimizer.SGD too). Refuse before anything is sent (Gluon: here;

@@ -11,12 +11,12 @@ the group, else to its per-tensor and multi-tensor kernels by tensor size
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from mxnet import nd
 
 from .. import _kernels
-from ..families.base import Kernel, KernelFamily, Masters
+from ..families.base import Kernel, KernelFamily, Masters, SparseKernelFamily
 from .state import StateParts
 from .trust_ratio import TrustRatio
 
@@ -116,11 +116,11 @@ def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
         weights, grads = [weight[j] for j in pos], [grad[j] for j in pos]
         route_lrs, route_wds = [lrs[j] for j in pos], [wds[j] for j in pos]
         lr_vector = None
-        if plan.lars:
-            lr_vector = trust.lr_vector(
+        if plan.lars:       # (only with a trust ratio: `trust` and the exclusions are set)
+            lr_vector = cast(TrustRatio, trust).lr_vector(
                 weights=[m if m is not None else w for w, m in zip(weights, route.masters)],
-                grads=grads, lrs=route_lrs, wds=route_wds, keep_lr=route.keep_lr,
-                rescale_grad=rescale_grad)
+                grads=grads, lrs=route_lrs, wds=route_wds,
+                keep_lr=cast(List[bool], route.keep_lr), rescale_grad=rescale_grad)
         family.run(route.kernel, weights=weights, grads=grads, states=route.states,
                    masters=route.masters, lrs=route_lrs, wds=route_wds, lr_vector=lr_vector,
                    rescale_grad=rescale_grad, clip_gradient=clip_gradient, scratch=scratch,
@@ -136,14 +136,16 @@ def _run_sparse(plan: Plan, family: KernelFamily, trust: Optional[TrustRatio],
     pos = plan.sparse
     sparse_lrs = [lrs[j] for j in pos]
     if trust is not None:
+        keep_lr = cast(List[bool], plan.keep_lr)        # (set with a trust ratio)
         for n, j in enumerate(pos):
-            if not plan.keep_lr[j] and grad[j].stype == 'row_sparse':
+            if not keep_lr[j] and grad[j].stype == 'row_sparse':
                 master = plan.masters[j]
                 sparse_lrs[n] *= trust.sparse_factor(
                     weight=master if master is not None else weight[j], grad=grad[j],
                     wd=wds[j], rescale_grad=rescale_grad)
-    family.run_sparse(weights=[weight[j] for j in pos], grads=[grad[j] for j in pos],
-                      states=[plan.states[j] for j in pos],
-                      masters=[plan.masters[j] for j in pos], lrs=sparse_lrs,
-                      wds=[wds[j] for j in pos], rescale_grad=rescale_grad,
-                      clip_gradient=clip_gradient)
+    # a plan has sparse positions only when the family supports them (`make_plan`)
+    cast(SparseKernelFamily, family).run_sparse(
+        weights=[weight[j] for j in pos], grads=[grad[j] for j in pos],
+        states=[plan.states[j] for j in pos], masters=[plan.masters[j] for j in pos],
+        lrs=sparse_lrs, wds=[wds[j] for j in pos], rescale_grad=rescale_grad,
+        clip_gradient=clip_gradient)

@@ -9,12 +9,15 @@ its micro-batches; `SkipLedger` keeps ``num_update`` (what an ``lr_scheduler`` s
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
 import mxnet as mx
 
 from .. import _compat
 from ..loss_scaling.scaler import DynamicLossScaler
+
+if TYPE_CHECKING:
+    from .warmup import Warmup
 
 
 class SkipLedger:
@@ -130,7 +133,7 @@ class ProgressViews:
     ``_ledger``, ``_warmup``, ``loss_scaler`` and ``batch_scale`` are the shell's."""
 
     _ledger: SkipLedger
-    _warmup: Any
+    _warmup: Warmup
     loss_scaler: Optional[DynamicLossScaler]
     batch_scale: int
     counts_applied_updates: bool
@@ -169,6 +172,6 @@ class ProgressViews:
         return self._warmup.multiplier(self.micro_batches if position is None else position)
 
     def _update_count(self, index: Any) -> None:
-        super()._update_count(index)
+        super()._update_count(index)  # type: ignore[misc]  # the host Optimizer's method
         self.num_update = num_update_after_count(
             self, self._ledger, index, self.batch_scale, self.counts_applied_updates)

@@ -10,7 +10,7 @@ A `LossScaling` hook that skips a step accounts it here (`step_outside`).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 import mxnet as mx
 
@@ -18,14 +18,18 @@ from .. import _compat
 from ..loss_scaling import gate as _scaling
 from . import binding as _binding
 
+if TYPE_CHECKING:
+    from ..loss_scaling.scaler import DynamicLossScaler
+    from .progress import SkipLedger
+
 
 class StepProtocol:
     """Mixed into `PipelineOptimizer`: ``_ledger``, ``_gate``, ``loss_scaler`` and
     ``batch_scale`` are the shell's."""
 
-    _ledger: Any
-    _gate: Any
-    loss_scaler: Any
+    _ledger: SkipLedger
+    _gate: _scaling.StepGate[Any]
+    loss_scaler: Optional[DynamicLossScaler]
     batch_scale: int
     check_local_overflow: bool
     num_update: int
@@ -48,12 +52,13 @@ class StepProtocol:
         if trainer is not None:
             _binding.bind(trainer)
 
-    def begin_step(self, gradients: Sequence[mx.nd.NDArray],
+    def begin_step(self, gradients: Optional[Sequence[mx.nd.NDArray]],
                    closes_window: Optional[bool] = None, trainer: Any = None,
                    local_flags: Optional[Dict[int, mx.nd.NDArray]] = None) -> None:
         """A Trainer step starts. `gradients`: every fresh gradient of the step, on every
-        device (the loss-scale gate decides over them at once). `closes_window`: None when
-        this optimizer accumulates itself; False when the Trainer summed this micro-batch
+        device (the loss-scale gate decides over them at once), or None when this optimizer
+        does not want them (`wants_step_gradients`). `closes_window`: None when this
+        optimizer accumulates itself; False when the Trainer summed this micro-batch
         locally (count it, apply nothing); True when the Trainer reduced the window's
         mean (apply it as one step). `trainer`: whose rank a report names. `local_flags`:
         {micro-batch (0: the step): device-side finite flag taken before the reduction}."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import weakref
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import mxnet as mx
@@ -69,6 +69,7 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
                   '_module_worker')
 
     _family: KernelFamily
+    _gate: _scaling.StepGate[Call]
     _warmup: Warmup
     _trust: Optional[TrustRatio]
 
@@ -187,10 +188,11 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
 
     def _gated_update(self, call: Call) -> None:
         """Run a call through the loss-scale gate: the step's calls run when it is decided,
-        applied or skipped as a whole."""
+        applied or skipped as a whole. (Only with a loss_scaler.)"""
         index, weight, grad, _ = call
         runs = self._gate.submit([(w.context, i) for i, w in zip(index, weight)], grad,
-                                 call, self.loss_scaler, self._gradient_scale())
+                                 call, cast(DynamicLossScaler, self.loss_scaler),
+                                 self._gradient_scale())
         window = self.batch_scale if self._step_window else 1
         decision = self._gate.take_decision()
         if decision is not None:
@@ -204,9 +206,10 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
         if runs and self._gate.take_skip():
             self.num_update = self._ledger.skipped(
                 self.num_update, 1 if self.counts_applied_updates else window)
-        _graph_scale.serve(self.scale_key, self.loss_scaler)
+        _graph_scale.serve(self.scale_key, cast(DynamicLossScaler, self.loss_scaler))
 
-    def _report(self, skipped: bool, grads: List[mx.nd.NDArray], calls: List[Call]) -> None:
+    def _report(self, skipped: bool, grads: Sequence[mx.nd.NDArray],
+                calls: List[Call]) -> None:
         """Keep the overflow report of a decided step (None for a finite one). Runs before
         the skipped window's counts are rewound, so the window position is this step's."""
         if not skipped:
@@ -223,10 +226,12 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
     def _gradient_scale(self) -> float:
         """The loss scale this step's gradients carry: Gluon scales the loss by the
         optimizer's scaler; a Module graph by the scaler its scale_gradient op was served
-        when backward ran (another optimizer's, right after Module.load_optimizer_states)."""
+        when backward ran (another optimizer's, right after Module.load_optimizer_states).
+        (Only with a loss_scaler.)"""
+        scaler = cast(DynamicLossScaler, self.loss_scaler)
         if self.param_dict:
-            return self.loss_scaler.scale
-        return _graph_scale.served(self.scale_key, self.loss_scaler).scale
+            return scaler.scale
+        return _graph_scale.served(self.scale_key, scaler).scale
 
     def _plan(self, index: List[Any], weight: List[mx.nd.NDArray],
               grad: List[mx.nd.NDArray], state: List[Any]) -> Plan:

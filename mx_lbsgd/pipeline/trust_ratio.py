@@ -10,20 +10,30 @@ It multiplies whatever the other multipliers (warmup) give: the rates reach the 
 a float32 vector on the device, so the ratio costs no host sync (except for a layer with a
 row_sparse gradient, whose sparse kernel takes lr as a float).
 """
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+from mxnet import nd
+
 from .. import _kernels
 
 DEFAULT_LARS_EXCLUDE = ('bias', 'gamma', 'beta')
 
+#: layers left out of the ratio: name suffixes, or a predicate on the name
+Exclude = Union[Tuple[str, ...], Callable[[str], bool]]
+
 
 class TrustRatio:
-    def __init__(self, eta, eps, lars_min, lars_max, exclude):
+    def __init__(self, eta: float, eps: float, lars_min: float, lars_max: float,
+                 exclude: Exclude) -> None:
         self.eta = eta
         self.eps = eps
         self.lars_min = lars_min
         self.lars_max = lars_max
         self.exclude = exclude
 
-    def applies(self, name):
+    def applies(self, name: Optional[str]) -> bool:
         """Whether the layer called `name` gets a trust ratio (None: no names known)."""
         if name is None:
             if self.exclude:
@@ -39,14 +49,17 @@ class TrustRatio:
             return not self.exclude(name)
         return not name.endswith(self.exclude)
 
-    def lr_vector(self, *, weights, grads, lrs, wds, keep_lr, rescale_grad):
+    def lr_vector(self, *, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
+                  lrs: Sequence[float], wds: Sequence[float], keep_lr: Sequence[bool],
+                  rescale_grad: float) -> nd.NDArray:
         """lrs times the ratios, a float32 vector on the device (see the module docstring)."""
         return _kernels.lars_lrs(weights=weights, grads=grads, lrs=lrs, wds=wds,
                                  keep_lr=keep_lr, eta=self.eta, eps=self.eps,
                                  rescale_grad=rescale_grad, lars_min=self.lars_min,
                                  lars_max=self.lars_max)
 
-    def sparse_factor(self, *, weight, grad, wd, rescale_grad):
+    def sparse_factor(self, *, weight: nd.NDArray, grad: nd.NDArray, wd: float,
+                      rescale_grad: float) -> float:
         """The ratio of one layer with a row_sparse gradient, over the rows present."""
         return _kernels.sparse_lars_factor(weight=weight, grad=grad, wd=wd, eta=self.eta,
                                            eps=self.eps, rescale_grad=rescale_grad,

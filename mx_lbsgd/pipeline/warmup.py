@@ -7,30 +7,35 @@ MXNet LBSGD's warmup rises from 1 to the batch scale B over W micro-batches::
 where n counts this run's micro-batches (skipped windows are not counted) and ``offset``
 is ``begin_epoch * updates_per_epoch``.
 """
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
 from ..schedules import warmup_multiplier
 
 
 class Warmup:
     """Multipliers of one warmup: `shape` from `schedules.WARMUP_SHAPES`, or None (1)."""
 
-    def __init__(self, shape, warmup_steps, batch_scale, offset):
+    def __init__(self, shape: Optional[str], warmup_steps: float, batch_scale: int,
+                 offset: int) -> None:
         self.shape = shape
         self.warmup_steps = warmup_steps
         self.batch_scale = batch_scale
         self.offset = offset
 
-    def multiplier(self, position):
+    def multiplier(self, position: int) -> float:
         if self.shape is None:
             return 1.0
         return warmup_multiplier(self.offset + position, self.warmup_steps,
                                  self.batch_scale, self.shape)
 
-    def scale_lrs(self, lrs, positions):
+    def scale_lrs(self, lrs: List[float], positions: Sequence[int]) -> List[float]:
         """lrs[i] * multiplier(positions[i]); parameters of one call mostly share a
         position, so each position is computed once."""
         if self.shape is None:
             return lrs
-        mults = {}
+        mults: Dict[int, float] = {}
         for p in positions:
             if p not in mults:
                 mults[p] = self.multiplier(p)

@@ -29,16 +29,24 @@ The communicated values have the magnitude of one micro-batch's (scaled) gradien
 fp16 gradient or fp16 compression overflows no sooner than without accumulation, and an
 inf/NaN from any micro-batch of any worker reaches every worker.
 """
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from mxnet import nd
+
 from .. import _compat, _kernels
 
 
 class InOptimizerWindow:
     """Accumulation inside the optimizer, for windows of `size` micro-batches."""
 
-    def __init__(self, size):
+    def __init__(self, size: int) -> None:
         self.size = size
 
-    def add(self, *, accs, grads, positions, rescale_grad, sparse, scratch):
+    def add(self, *, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
+            positions: Sequence[int], rescale_grad: float, sparse: Sequence[int],
+            scratch: dict) -> Optional[Tuple[List[nd.NDArray], float]]:
         """Add one micro-batch (per-parameter `positions`: 1-based counts) to `accs`.
 
         Returns None while the window is open, else the gradients to update with (the
@@ -77,12 +85,15 @@ class TrainerWindow:
     every reduction: one source of truth, which checkpoints (MXNet's own included) restore,
     and which a skipped window rewinds."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.position = 0
-        self.flag = None          # the last `add`'s finite flag (check_finite), else None
-        self._scratch = {}
+        # the last `add`'s finite flag (check_finite), else None
+        self.flag: Optional[nd.NDArray] = None
+        self._scratch: Dict[Any, nd.NDArray] = {}
 
-    def add(self, *, accs, grads, rescale_grad, size, position, check_finite=False, fused=None):
+    def add(self, *, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
+            rescale_grad: float, size: int, position: int, check_finite: bool = False,
+            fused: Optional[bool] = None) -> bool:
         """Take micro-batch `position + 1`. Returns True when it closes the window: the
         window's mean is then in `grads`, ready to be reduced; otherwise it was summed into
         `accs`. With `check_finite`, ``self.flag`` is then ``_kernels.finite_flag(grads,
