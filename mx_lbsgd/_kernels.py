@@ -363,10 +363,10 @@ def _finite_plan(arrays: Sequence[nd.NDArray], fused: Optional[bool]) -> _Finite
     return plan
 
 
-def scale_in_place(arrays: Iterable[nd.NDArray], factor: float) -> None:
-    """arrays[i] *= factor (unscaling gradients for clipping)."""
+def scale_in_place(arrays: Iterable[nd.NDArray], multiplier: float) -> None:
+    """arrays[i] *= multiplier (unscaling gradients for clipping)."""
     for a in arrays:
-        a *= factor
+        a *= multiplier
 
 
 def sparse_lars_factor(*, weight: nd.NDArray, grad: nd.NDArray, wd: float, eta: float,

@@ -193,13 +193,13 @@ class LossScaling(overflow.OverflowViews):
             if account is not None:       # an mx_lbsgd optimizer: count_skipped_steps etc.
                 account(applied)
         if applied:
-            fold = 1.0 if (self._unscaled or not active) else _scaling.unscale_factor(scale)
+            unscale = 1.0 if (self._unscaled or not active) else _scaling.unscale_factor(scale)
             # (unscale() set self._means)
             for t, mean in zip(self.trainers, cast(List[float], self._means) if self._unscaled
                                else [1.0] * len(self.trainers)):
                 # after unscale() the gradients hold the mean over workers: the update's
                 # rescale_grad (Trainer scale / batch) takes the factor back
-                t.update(batch_size / fold * mean, ignore_stale_grad)
+                t.update(batch_size / unscale * mean, ignore_stale_grad)
         self.last_step_skipped = not applied
         self._reduced = self._unscaled = False
         return applied
