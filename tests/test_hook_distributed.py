@@ -71,7 +71,8 @@ def _run(engine, cfg, tmp_path):
     return code, out.getvalue()
 
 
-@pytest.mark.parametrize('engine', ['horovod', 'dist_sync'])
+@pytest.mark.parametrize('engine', [pytest.param('horovod', marks=pytest.mark.horovod),
+                                    'dist_sync'])
 @pytest.mark.parametrize('clip', [None, 1.0])
 def test_hook_unscale_and_clip_see_the_mean_over_workers(tmp_path, engine, clip):
     cfg = dict(steps=3, batch=32, scale=1024.0, clip=clip)

@@ -449,7 +449,7 @@ DIST_CASES = [
     pytest.param('horovod', dict(api='gluon', optimizer='sgd', steps=4, batch=16,
                                  params={}, kvstore='horovod', hook=dict(init_scale=2.0 ** 6),
                                  inject={'2': 1}, reports=True, check_local=True),
-                 2, None, True, id='horovod-hook-check_local'),
+                 2, None, True, id='horovod-hook-check_local', marks=pytest.mark.horovod),
 ]
 
 
