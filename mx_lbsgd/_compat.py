@@ -256,7 +256,9 @@ def trainer_kvstore_type(trainer: mx.gluon.Trainer) -> str | None:
     """The type of the kvstore a Trainer was asked for ('dist_sync', 'device', ...; None for
     none), before ``Trainer.step`` creates it: ``_kvstore_params`` holds the argument."""
     kv = trainer._kvstore_params.get('kvstore')
-    return kv.type if isinstance(kv, mx.kvstore.KVStore) else kv if isinstance(kv, str) else None
+    if isinstance(kv, mx.kvstore.KVStoreBase):     # MXNet's, or a custom store
+        return kv.type
+    return kv if isinstance(kv, str) else None
 
 
 def trainer_worker_count(trainer: mx.gluon.Trainer, default: _T) -> int | _T:
@@ -273,7 +275,7 @@ def trainer_worker_count(trainer: mx.gluon.Trainer, default: _T) -> int | _T:
     if trainer._kv_initialized and trainer._kvstore is not None:
         return trainer._kvstore.num_workers
     given = trainer._kvstore_params.get('kvstore')
-    if isinstance(given, mx.kvstore.KVStore):
+    if isinstance(given, mx.kvstore.KVStoreBase):   # MXNet's, or a custom store
         return given.num_workers
     kind = trainer_kvstore_type(trainer)
     return default if kind and kind.startswith('dist') else 1

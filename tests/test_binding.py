@@ -106,3 +106,21 @@ def test_last_step_skipped_survives_pickling():
     trainer.step(5)
     assert trainer.optimizer.last_step_skipped
     assert pickle.loads(pickle.dumps(trainer.optimizer)).last_step_skipped
+
+
+def test_a_custom_kvstore_counts_its_workers_before_the_first_step():
+    """A kvstore of the public KVStoreBase interface (not MXNet's KVStore) passed to a
+    Trainer: its type and worker count are known before Trainer.step creates it."""
+    from mx_lbsgd import _compat
+
+    class ThreeWorkers(mx.kvstore.KVStoreBase):
+        type = 'dist_sync'
+        num_workers = 3
+        rank = 0
+
+    net = mx.gluon.nn.Dense(2, in_units=2)
+    net.initialize()
+    trainer = mx.gluon.Trainer(net.collect_params(), 'lbsgd', kvstore=ThreeWorkers(),
+                               update_on_kvstore=False)
+    assert _compat.trainer_kvstore_type(trainer) == 'dist_sync'
+    assert _compat.trainer_worker_count(trainer, 2) == 3
