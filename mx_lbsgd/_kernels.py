@@ -117,8 +117,8 @@ def lars_lrs(*, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
              lrs: Sequence[float], wds: Sequence[float], keep_lr: Sequence[bool], eta: float,
              eps: float, rescale_grad: float, lars_min: float,
              lars_max: float) -> nd.NDArray:
-    """Per-layer learning rates ``lr * clip(eta*|w| / (|g*rescale| + wd*|w| + eps))``, a
-    float32 vector on the device. Layers with keep_lr[i], or a zero weight or gradient
+    """Per-layer learning rates ``lr * clip(eta*|w| / (|rescale_grad*g| + wd*|w| + eps))``,
+    a float32 vector on the device. Layers with keep_lr[i], or a zero weight or gradient
     norm, keep ``lr``. `lrs`, `wds` and `keep_lr` are Python lists.
     """
     ctx = weights[0].context

@@ -120,3 +120,29 @@ def test_importing_the_library_imports_no_demo_module():
     proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_public_import_paths_of_earlier_versions_keep_working():
+    """The modules moved into packages by concern; the paths users imported (and files
+    pickled) before still give the same objects, and ``python -m mx_lbsgd.launch`` runs."""
+    from mx_lbsgd.gluon import LossScaling, bind, init_kvstore
+    from mx_lbsgd.launch import launch, main
+    from mx_lbsgd.loss_scale import DynamicLossScaler, LossScaleStuckError
+    from mx_lbsgd.overflow import LossScaleFallingWarning, OverflowReport
+    from mx_lbsgd.lbsgd import LBSGD
+    from mx_lbsgd.lamb import LAMB
+    from mx_lbsgd.lssgd import LossScaledSGD
+    assert LossScaling is mx_lbsgd.LossScaling and bind is mx_lbsgd.bind
+    assert init_kvstore is mx_lbsgd.init_kvstore
+    assert DynamicLossScaler is mx_lbsgd.DynamicLossScaler
+    assert LossScaleStuckError is mx_lbsgd.LossScaleStuckError
+    assert OverflowReport is mx_lbsgd.OverflowReport
+    assert LossScaleFallingWarning is mx_lbsgd.LossScaleFallingWarning
+    assert (LBSGD, LAMB, LossScaledSGD) == (mx_lbsgd.LBSGD, mx_lbsgd.LAMB,
+                                             mx_lbsgd.LossScaledSGD)
+    from mx_lbsgd.distributed import launch as moved
+    assert (launch, main) == (moved.launch, moved.main)
+    out = subprocess.run([sys.executable, '-m', 'mx_lbsgd.launch', '--help'],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0 and '--num-workers' in out.stdout + out.stderr, out
