@@ -11,7 +11,7 @@ import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
 from reference import lamb_step, warmup_lr
 
-pytestmark = [pytest.mark.unit, pytest.mark.fallback]
+pytestmark = [pytest.mark.unit, pytest.mark.fallback, pytest.mark.pipeline]
 
 SHAPES = [(40, 30), (70000,), (7,), (3, 5)]          # big and small: both kernel paths
 NAMES = ['enc0_weight', 'enc0_bias', 'ln_gamma', 'dec_weight']
