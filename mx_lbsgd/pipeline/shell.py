@@ -184,7 +184,7 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
             return
         if isinstance(index[0], str):     # Module's kvstore updater passes parameter names
             _scaling.refuse_kvstore_updates(type(self).__name__)
-        self._gated_update((list(index), list(weight), list(grad), list(state)))
+        self._gated_update((index, weight, grad, state))
 
     def _gated_update(self, call: Call) -> None:
         """Run a call through the loss-scale gate: the step's calls run when it is decided,
