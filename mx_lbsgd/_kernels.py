@@ -113,17 +113,57 @@ def sum_squares(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
     return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=0)
 
 
+def total_sum_squares(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
+    """The sum of the squares of every element of `arrays` (one context; any float dtypes;
+    row_sparse and csr arrays by their stored values), a float32 (1,) array on the device.
+    On CPU with the native operators one call over the float32 and float16 arrays."""
+    values = [a.data if a.stype != 'default' else a for a in arrays]
+    ctx = values[0].context
+    parts: List[nd.NDArray] = []
+    ops = _native.ops() if ctx.device_type == 'cpu' else None
+    mine = [a for a in values if ops is not None and a.dtype in _NATIVE_DTYPES and a.size]
+    if mine:
+        parts.append(ops.sum_sq(*mine, num_arrays=len(mine), total=1))  # type: ignore[union-attr]
+    by_dtype: Dict[Any, List[nd.NDArray]] = {}
+    for a in values:
+        if a.size and not any(a is m for m in mine):
+            by_dtype.setdefault(a.dtype, []).append(a)
+    for group in by_dtype.values():
+        parts.append(nd.sum(sum_squares(group), keepdims=True).reshape((1,)))
+    if not parts:
+        return nd.zeros((1,), ctx=ctx, dtype=np.float32)
+    return parts[0] if len(parts) == 1 else nd.add_n(*parts)
+
+
+def scale_gradients(grads: Sequence[nd.NDArray], coefficient: nd.NDArray) -> List[nd.NDArray]:
+    """Each gradient times the device scalar `coefficient`: dense ones in place, row_sparse
+    ones as new arrays over the same rows. Returns the gradients to update with."""
+    out: List[nd.NDArray] = []
+    for g in grads:
+        c = coefficient if coefficient.dtype == g.dtype else coefficient.astype(g.dtype)
+        if g.stype == 'row_sparse':
+            out.append(nd.sparse.row_sparse_array((nd.broadcast_mul(g.data, c), g.indices),
+                                                  shape=g.shape, ctx=g.context))
+        else:
+            nd.broadcast_mul(g, c, out=g)
+            out.append(g)
+    return out
+
+
 def lars_lrs(*, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
              lrs: Sequence[float], wds: Sequence[float], keep_lr: Sequence[bool], eta: float,
-             eps: float, rescale_grad: float, lars_min: float,
-             lars_max: float) -> nd.NDArray:
+             eps: float, rescale_grad: float, lars_min: float, lars_max: float,
+             grad_coefficient: Optional[nd.NDArray] = None) -> nd.NDArray:
     """Per-layer learning rates ``lr * clip(eta*|w| / (|rescale_grad*g| + wd*|w| + eps))``,
     a float32 vector on the device. Layers with keep_lr[i], or a zero weight or gradient
-    norm, keep ``lr``. `lrs`, `wds` and `keep_lr` are Python lists.
+    norm, keep ``lr``. `lrs`, `wds` and `keep_lr` are Python lists. `grad_coefficient`: a
+    (1,) device array the gradients are multiplied by (global-norm clipping).
     """
     ctx = weights[0].context
     wss = sum_squares(weights)
     gss = sum_squares(grads)
+    if grad_coefficient is not None:
+        gss = nd.broadcast_mul(gss, nd.square(grad_coefficient))
     lr_vec = device_vector(lrs, ctx)
     wd_vec = device_vector(wds, ctx)
     if lars_min <= 0.0 and math.isinf(lars_max) and not any(keep_lr):

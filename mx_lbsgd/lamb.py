@@ -67,6 +67,13 @@ class LAMB(PipelineOptimizer):
         MXNet's multi-tensor / per-tensor LAMB operators (the GPU path is multi-tensor).
     loss_scaler, count_skipped_steps, scale_key : as in `LBSGD`.
     overflow_history_size, overflow_log_interval, check_local_overflow : as in `LBSGD`.
+    max_grad_norm : None or float >= 0, default None
+        Clip the applied gradient (the window's mean, unscaled, reduced over workers) to
+        this global L2 norm over all parameters: ``g *= min(1, max_grad_norm / (norm +
+        1e-6))`` before weight decay is added; the trust ratio sees the clipped gradient. The BERT recipe uses 1.0. None or 0: no clipping.
+        ``last_grad_norm`` / ``last_clip_coefficient`` report the last update's norm and
+        factor as NDArrays. See `mx_lbsgd.pipeline.clip` for how it differs from torch,
+        apex and GluonNLP, and for non-finite norms.
     """
 
     counts_applied_updates = True

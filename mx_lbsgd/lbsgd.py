@@ -119,6 +119,13 @@ class LBSGD(PipelineOptimizer):
         of skipped steps (default 30.0), and whether a distributed worker checks its own
         gradients before the reduction when ``batch_scale`` is 1 (default False; one
         device-side check per step) so that ``last_overflow.originated_here`` is known.
+    max_grad_norm : None or float >= 0, default None
+        Clip the applied gradient (the window's mean, unscaled, reduced over workers) to
+        this global L2 norm over all parameters: ``g *= min(1, max_grad_norm / (norm +
+        1e-6))`` before weight decay is added; the LARS ratio sees the clipped gradient. None or 0: no clipping.
+        ``last_grad_norm`` / ``last_clip_coefficient`` report the last update's norm and
+        factor as NDArrays. See `mx_lbsgd.pipeline.clip` for how it differs from torch,
+        apex and GluonNLP, and for non-finite norms.
     lazy_update : bool, default True
         As in ``mx.optimizer.SGD``: with a row_sparse gradient only its rows change
         (weight, momentum, weight decay, fp32 master rows); False updates every row.

@@ -48,6 +48,9 @@ class LossScaledSGD(LBSGD):
         Kernel path, as in :class:`LBSGD`.
     overflow_history_size, overflow_log_interval, check_local_overflow
         Overflow reports, as in :class:`LBSGD`.
+    max_grad_norm : None or float >= 0
+        Global-norm clipping of the unscaled gradient, as in :class:`LBSGD`; its
+        sum-of-squares pass is also the step's overflow check.
     """
 
     def __init__(self, momentum: float = 0.0, multi_precision: bool = False,

@@ -116,6 +116,10 @@ class GradientNoiseScale:
             raise TypeError("GradientNoiseScale needs a Trainer running one of mx_lbsgd's "
                             "optimizers ('lbsgd', 'lssgd', 'lblamb'); this one runs %s"
                             % type(opt).__name__)
+        if hasattr(trainer, 'step_sum_of_squares'):
+            raise ValueError('GradientNoiseScale cannot watch a ShardedTrainer yet: after its '
+                             'exchange each rank holds only the gradients it owns. Use '
+                             'hvd.DistributedTrainer to measure the noise scale')
         if _compat.trainer_kvstore_requested_updates(trainer):
             raise ValueError('GradientNoiseScale cannot watch a Trainer with '
                              'update_on_kvstore=True: the reduced gradient never reaches the '

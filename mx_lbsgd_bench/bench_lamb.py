@@ -8,6 +8,12 @@ Host syncs are counted per step. `'lblamb'` at its defaults runs the package's n
 operator when ``pip install`` built it (``native`` in the output says whether it did);
 ``fused=True``/``False`` force MXNet's multi-tensor and per-tensor LAMB operators.
 
+Clipping: each ``+ clip 1.0`` candidate is the one before it with ``max_grad_norm=1.0``
+(``/ unclipped`` is its ratio to that one; goal <= 1.10), and ``GluonNLP clip + mxnet LAMB``
+is the GluonNLP recipe: ``gluon.utils.clip_global_norm(grads, 1.0)`` (its own copy of the
+gradients), then MXNet's LAMB; float32 only (clip_global_norm squares with ``dot``, which
+has no float16 kernel on CPU).
+
     python -m mx_lbsgd_bench.bench_lamb [--rounds 5] [--dtypes float32 float16] [--json F]
     python benchmarks/bench_lamb.py ...
 """
@@ -19,6 +25,8 @@ import mxnet as mx
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
+from mxnet import gluon
+
 from mx_lbsgd_demo.args import Parser, check_output_option, number
 from .bench_step import machine, save_json
 
@@ -56,13 +64,25 @@ def _candidates():
         'mxnet SGD momentum': lambda mp: mx.optimizer.SGD(momentum=0.9, multi_precision=mp,
                                                           **common),
         'lblamb (default: native)': lambda mp: mx_lbsgd.LAMB(multi_precision=mp, **common),
+        'lblamb (default: native)' + CLIP: lambda mp: mx_lbsgd.LAMB(
+            multi_precision=mp, max_grad_norm=1.0, **common),
         'lblamb + loss scaler': lambda mp: mx_lbsgd.LAMB(
             multi_precision=mp, loss_scaler=mx_lbsgd.DynamicLossScaler(), **common),
+        'lblamb + loss scaler' + CLIP: lambda mp: mx_lbsgd.LAMB(
+            multi_precision=mp, loss_scaler=mx_lbsgd.DynamicLossScaler(), max_grad_norm=1.0,
+            **common),
         'lblamb fused=True (MXNet ops)': lambda mp: mx_lbsgd.LAMB(
             multi_precision=mp, fused=True, **common),
+        'lblamb fused=True (MXNet ops)' + CLIP: lambda mp: mx_lbsgd.LAMB(
+            multi_precision=mp, fused=True, max_grad_norm=1.0, **common),
+        GLUONNLP: mxnet_lamb(None),
         'lblamb fused=False (MXNet ops)': lambda mp: mx_lbsgd.LAMB(
             multi_precision=mp, fused=False, **common),
     }
+
+
+CLIP = ' + clip 1.0'
+GLUONNLP = 'GluonNLP clip + mxnet LAMB'
 
 
 class _Candidate:
@@ -77,6 +97,8 @@ class _Candidate:
         mx.nd.waitall()
 
     def step(self):
+        if self.name == GLUONNLP:
+            gluon.utils.clip_global_norm(self.grads, 1.0)
         self.updater(self.index, self.grads, self.weights)
 
     def round(self, steps):
@@ -94,7 +116,9 @@ def run(dtypes, rounds, steps=1, seed=0):
     results = []
     for dtype in dtypes:
         rng = np.random.RandomState(seed)
-        cands = [_Candidate(n, m, shapes, dtype, rng) for n, m in _candidates().items()]
+        # MXNet's clip_global_norm squares with dot, which has no float16 kernel on CPU
+        cands = [_Candidate(n, m, shapes, dtype, rng) for n, m in _candidates().items()
+                 if not (n == GLUONNLP and dtype == 'float16')]
         for r in range(rounds):
             for c in (cands if r % 2 == 0 else cands[::-1]):
                 c.round(steps)
@@ -106,7 +130,8 @@ def run(dtypes, rounds, steps=1, seed=0):
                 dtype=dtype, name=c.name, ms=1e3 * statistics.median(c.times),
                 syncs_per_step=statistics.mean(c.syncs),
                 vs_mxnet_lamb=ratio('mxnet LAMB (multi_lamb_update)'),
-                vs_adam=ratio('mxnet Adam')))
+                vs_adam=ratio('mxnet Adam'),
+                vs_unclipped=ratio(c.name[:-len(CLIP)]) if c.name.endswith(CLIP) else None))
     return dict(machine=machine(), shapes=len(shapes),
                 parameters=int(sum(np.prod(s) for _, s in shapes)), results=results)
 
@@ -123,12 +148,12 @@ def main(argv=None):
     print(out['machine'])
     print('%d tensors, %d parameters; median of %d interleaved rounds; native operators: %s'
           % (out['shapes'], out['parameters'], args.rounds, out['machine']['native_operators']))
-    print('%-8s %-32s %10s %8s %14s %9s' % ('dtype', 'optimizer', 'ms/step', 'syncs',
-                                            '/ mxnet LAMB', '/ Adam'))
+    print('%-8s %-43s %10s %8s %14s %9s %12s' % ('dtype', 'optimizer', 'ms/step', 'syncs',
+                                                  '/ mxnet LAMB', '/ Adam', '/ unclipped'))
     for r in out['results']:
-        print('%-8s %-32s %10.1f %8.1f %14.2f %9.2f' % (
+        print('%-8s %-43s %10.1f %8.1f %14.2f %9.2f %12s' % (
             r['dtype'], r['name'], r['ms'], r['syncs_per_step'], r['vs_mxnet_lamb'],
-            r['vs_adam']))
+            r['vs_adam'], '' if r['vs_unclipped'] is None else '%.3f' % r['vs_unclipped']))
     if args.json:
         save_json(args.json, out)
     return 0

@@ -22,7 +22,12 @@ the ratio within a round, so that the drift of a shared machine cancels out. Hos
    linear / fastest MXNet SGD path <= 0.6; lbsgd lars / lbsgd linear <= 2.0; faster of
    mx.optimizer.LARS(momentum_correction=False, aggregate 4) and MXNet's built-in LBSGD
    lars, divided by lbsgd lars, >= 1.5 in each of 3 independent runs (fresh optimizers and
-   states, their own rounds). The table pools the rounds of the three runs.
+   states, their own rounds). The table pools the rounds of the three runs. Clipping:
+   lbsgd linear with max_grad_norm=1.0 / lbsgd linear <= 1.10, without and with a loss
+   scaler (static scale 1: the norm's pass is then the finite check), against the GluonNLP recipe
+   (gluon.utils.clip_global_norm(grads, 1.0) on its own copy of the gradients, then
+   MXNet's SGD, aggregate 4; float32 only: clip_global_norm squares with dot, which has no
+   float16 kernel on CPU).
 3. loss-scale: gluon.Trainer steps (update_on_kvstore=False, SGD momentum 0.9, wd 1e-4) on a
    small model (20 float32 tensors, 96,960 parameters) and on ResNet-50's shapes: plain
    'sgd'; 'lssgd' with loss_scaler=1024.0; 'sgd' + mx_lbsgd.LossScaling(trainer, 1024.0,
@@ -78,9 +83,9 @@ def mxnet_sgd(aggregate=None):
     return make
 
 
-def lbsgd(strategy='linear', fused=None):
+def lbsgd(strategy='linear', fused=None, **extra):
     return lambda mp: mx_lbsgd.LBSGD(warmup_strategy=strategy, multi_precision=mp,
-                                     fused=fused, **dict(COMMON, **WARMUP))
+                                     fused=fused, **dict(COMMON, **WARMUP, **extra))
 
 
 def mxnet_lars(mp):
@@ -108,7 +113,25 @@ RESNET_CANDIDATES = {
     'lbsgd lars': lbsgd('lars'),
     'mxnet LARS': mxnet_lars,
     'mxnet LBSGD lars': mxnet_lbsgd_lars,
+    'lbsgd linear + clip 1.0': lbsgd(max_grad_norm=1.0),
+    'lbsgd linear + loss scaler': lbsgd(loss_scaler=1.0),
+    'lbsgd linear + loss scaler + clip 1.0': lbsgd(loss_scaler=1.0, max_grad_norm=1.0),
+    'GluonNLP clip + mxnet SGD (aggregate 4)': mxnet_sgd(4),
 }
+GLUONNLP = 'GluonNLP clip + mxnet SGD (aggregate 4)'
+
+
+def _clipping_first(cand, grads):
+    """Make `cand` (a bench_step.Timed) clip its own copy of `grads` before each update, as
+    GluonNLP's recipe does."""
+    own = [g.copy() for g in grads]
+    updater = cand.updater
+
+    def step(index, _grads, weights):
+        gluon.utils.clip_global_norm(own, 1.0)
+        updater(index, own, weights)
+    cand.updater = step
+    return cand
 
 
 class TrainerStep:
@@ -247,7 +270,11 @@ def resnet(dtypes, rounds, steps, lars_runs=LARS_RUNS, seed=0):
         runs = []
         for run in range(lars_runs):
             cands = [bench_step.Timed(name, make, shapes, weights, grads)
-                     for name, make in RESNET_CANDIDATES.items()]
+                     for name, make in RESNET_CANDIDATES.items()
+                     if not (name == GLUONNLP and dtype == 'float16')]
+            for c in cands:
+                if c.name == GLUONNLP:
+                    _clipping_first(c, grads)
             interleave(cands, rounds, steps)
             runs.append(cands)
             ms = {c.name: [r['ms'] for r in c.rounds] for c in cands}
@@ -256,6 +283,8 @@ def resnet(dtypes, rounds, steps, lars_runs=LARS_RUNS, seed=0):
         pooled = {}
         for name in RESNET_CANDIDATES:
             cs = [c for cands in runs for c in cands if c.name == name]
+            if not cs:
+                continue
             c = cs[0]
             c.rounds = [r for x in cs for r in x.rounds]
             c.syncs, c.launches, c.steps = (sum(x.syncs for x in cs),
@@ -271,6 +300,14 @@ def resnet(dtypes, rounds, steps, lars_runs=LARS_RUNS, seed=0):
         value = ratio(pooled['lbsgd lars'], [pooled['lbsgd linear']])
         out['targets'].append(dict(dtype=dtype, what='lbsgd lars / lbsgd linear',
                                    value=value, target='<= 2.0', met=value <= 2.0))
+        for base in ('lbsgd linear', 'lbsgd linear + loss scaler'):
+            value = ratio(pooled[base + ' + clip 1.0'], [pooled[base]])
+            out['targets'].append(dict(dtype=dtype, what='%s + clip 1.0 / %s' % (base, base),
+                                       value=value, target='<= 1.10', met=value <= 1.10))
+        if GLUONNLP in pooled:
+            value = ratio(pooled['lbsgd linear + clip 1.0'], [pooled[GLUONNLP]])
+            out['notes'].append('%s: lbsgd linear + clip 1.0 / %s = %.2f'
+                                % (dtype, GLUONNLP, value))
         for run in range(lars_runs):      # the pooled rounds are in run order
             ms = {name: pooled[name][run * rounds:(run + 1) * rounds] for name in pooled}
             faster = [min(a, b) for a, b in zip(ms['mxnet LARS'], ms['mxnet LBSGD lars'])]

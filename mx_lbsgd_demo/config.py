@@ -59,6 +59,7 @@ class TrainConfig:
     lr_decay: Optional[str] = None             # None or 'cosine' (to 0 at the last step)
     warmup_from: Optional[float] = None        # sgd/lssgd/lars: linear warmup from this lr
     hybridize: bool = True                     # Gluon hybridize(static_alloc=True)
+    max_grad_norm: Optional[float] = None      # global-norm clipping of the applied gradient
 
     def resolved_lr(self):
         if self.lr is not None:
@@ -91,6 +92,9 @@ def check(cfg):
     if cfg.warmup_from is not None and cfg.optimizer in WARMUP_OPTIMIZERS:
         raise ConfigError('warmup_from is for optimizers without a warmup of their own, '
                           'not %s' % cfg.optimizer)
+    if cfg.max_grad_norm is not None and not (0 < cfg.max_grad_norm < float('inf')):
+        raise ConfigError('max_grad_norm=%r is not supported; expected None or a finite '
+                          'number > 0' % (cfg.max_grad_norm,))
     if cfg.lr_decay not in (None, 'cosine'):
         raise ConfigError("lr_decay=%r is not supported; expected None or 'cosine'"
                           % (cfg.lr_decay,))
@@ -102,4 +106,5 @@ def baseline_config(cfg):
     no loss scaling, no warmup, the default lr."""
     return dataclasses.replace(
         cfg, optimizer='sgd', warmup_strategy='linear', batch_scale=1, lr=None,
-        dtype='float32', loss_scale=None, kvstore=None, warmup_from=None, lr_decay=None)
+        dtype='float32', loss_scale=None, kvstore=None, warmup_from=None, lr_decay=None,
+        max_grad_norm=None)

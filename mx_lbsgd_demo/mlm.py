@@ -43,7 +43,7 @@ _STREAMS = {'train': 1, 'eval': 2}
 #: options (argparse dests) that must match when resuming; world_size: the ranks
 _RESUME_KEYS = ('vocab', 'hidden', 'layers', 'heads', 'seq_len', 'batch_size', 'batch_scale',
                 'dtype', 'lr', 'wd', 'warmup', 'steps', 'seed', 'growth_interval',
-                'world_size')
+                'max_grad_norm', 'world_size')
 
 
 class MarkovTokens:
@@ -94,7 +94,8 @@ def _parser():
         'BERT-style masked-language-model pre-training of a small transformer encoder on '
         'synthetic Markov-chain tokens with lblamb (mx_lbsgd.LAMB): micro-batches '
         'accumulated --batch-scale at a time, float16 weights with fp32 master copies and '
-        'dynamic loss scaling, linear warmup then linear decay to 0, LayerNorm and biases out '
+        'dynamic loss scaling, global-norm clipping of each update\'s gradient (--max-grad-norm), '
+        'linear warmup then linear decay to 0, LayerNorm and biases out '
         'of the trust ratio and of weight decay. Writes summary.json and checkpoints to --out.'
         ' Under horovodrun pass --horovod.'),
         epilog='--steps, --warmup and --checkpoint-every count updates (windows of '
@@ -111,6 +112,9 @@ def _parser():
     p.add_argument('--wd', type=number(float, 0), default=0.01, help='default 0.01')
     p.add_argument('--warmup', type=number(int, 0), default=20,
                    help='warmup updates, < --steps (default 20)')
+    p.add_argument('--max-grad-norm', type=number(float, 0), default=1.0, metavar='NORM',
+                   help="clip each update's gradient (the window's mean, unscaled) to this "
+                        'global L2 norm, as the BERT recipe does (default 1.0; 0: off)')
     p.add_argument('--growth-interval', type=number(int, 1), default=100,
                    help='finite updates before the loss scale doubles (default 100)')
     p.add_argument('--vocab', type=number(int, 3), default=128,
@@ -122,6 +126,10 @@ def _parser():
     p.add_argument('--seq-len', type=number(int, 2), default=32)
     p.add_argument('--horovod', action='store_true',
                    help='run as one rank of a horovodrun job (hvd.DistributedTrainer)')
+    p.add_argument('--shard-states', action='store_true',
+                   help='with --horovod: mx_lbsgd.ShardedTrainer, each rank keeping the '
+                        'optimizer state of the parameters it owns (checkpoints at window '
+                        'boundaries, one consolidated file)')
     p.add_argument('--checkpoint-every', type=number(int, 0), default=0,
                    help='write a checkpoint every this many updates (0: only at the end)')
     p.add_argument('--stop-after', type=number(int, 1), default=None, metavar='MICRO_BATCHES',
@@ -142,6 +150,12 @@ def _usage(message):
 
 
 def _check(args):
+    if args.shard_states and not args.horovod:
+        raise _usage('argument --shard-states: needs --horovod (under horovodrun)')
+    if args.shard_states and args.stop_after is not None and args.stop_after % args.batch_scale:
+        raise _usage('argument --stop-after: with --shard-states a checkpoint must be at a '
+                     'window boundary (a multiple of --batch-scale %d), got %d'
+                     % (args.batch_scale, args.stop_after))
     if args.warmup >= args.steps:
         raise _usage('argument --warmup: must be < --steps (%d), got %d'
                      % (args.steps, args.warmup))
@@ -266,10 +280,12 @@ def _build(args, world, resume):
                                         max_update=args.steps)
     opt = mx_lbsgd.LAMB(learning_rate=args.lr, wd=args.wd, trust_exclude=True,
                         batch_scale=args.batch_scale, multi_precision=True,
-                        lr_scheduler=schedule, loss_scaler=scaler)
+                        lr_scheduler=schedule, loss_scaler=scaler,
+                        max_grad_norm=args.max_grad_norm or None)
     if world.hvd is not None:
         world.hvd.broadcast_parameters(net.collect_params(), root_rank=0)
-        trainer = world.hvd.DistributedTrainer(net.collect_params(), opt)
+        trainer = (mx_lbsgd.ShardedTrainer(net.collect_params(), opt) if args.shard_states
+                   else world.hvd.DistributedTrainer(net.collect_params(), opt))
     else:
         trainer = mx.gluon.Trainer(net.collect_params(), opt, update_on_kvstore=False)
     if resume:
@@ -277,7 +293,10 @@ def _build(args, world, resume):
         states = (shared if os.path.exists(shared) else
                   os.path.join(resume, 'trainer.rank%d.states' % world.rank))
         try:
-            mx_lbsgd.checkpoint.load_states(trainer, states)
+            if args.shard_states:
+                trainer.load_states(states)        # keeps this rank's shard
+            else:
+                mx_lbsgd.checkpoint.load_states(trainer, states)
         except (OSError, ValueError) as err:
             raise _usage('argument --resume: cannot load the trainer states %s: %s'
                          % (states, _first_line(err))) from None
@@ -297,7 +316,9 @@ def _save(args, world, net, trainer, micro_batches, state):
     os.makedirs(folder, exist_ok=True)
     import mx_lbsgd
     mid_window = trainer.optimizer.window_position != 0
-    if mid_window:
+    if isinstance(trainer, mx_lbsgd.ShardedTrainer):
+        trainer.save_states(os.path.join(folder, 'trainer.states'))     # every rank
+    elif mid_window:
         mx_lbsgd.checkpoint.save_states(
             trainer, os.path.join(folder, 'trainer.rank%d.states' % world.rank))
     elif world.rank == 0:
@@ -442,6 +463,11 @@ def train(args, log=print):
     summary = _summary(args, world, history, eval_before, _evaluate(net, data), opt, scaler,
                        stop, wall, folder)
     summary['finished'] = stop == args.steps * B
+    # this rank's optimizer state and window accumulators, in bytes (sharded runs)
+    summary['optimizer_state_bytes'] = (trainer.optimizer_state_bytes() if args.shard_states
+                                        else None)
+    summary['accumulator_bytes'] = (trainer.accumulator_bytes() if args.shard_states
+                                    else None)
     summary['param_sha256_per_rank'] = world.param_digests(net)
     if world.rank == 0:
         _write_json(os.path.join(args.out, 'summary.json'), summary)
@@ -453,7 +479,14 @@ def _window_row(world, trainer, scaler, update, stats):
     return dict(update=update, loss=loss_sum / tokens, masked_acc=correct / tokens,
                 lr=trainer.learning_rate,
                 loss_scale=scaler.scale if scaler is not None else 1.0,
-                skipped=bool(trainer.optimizer.last_step_skipped))
+                skipped=bool(trainer.optimizer.last_step_skipped),
+                grad_norm=_finite_or_none(trainer.optimizer.last_grad_norm))
+
+
+def _finite_or_none(norm):
+    """A clipping norm for JSON: a float, or None without clipping or when not finite."""
+    value = None if norm is None else float(norm.asscalar())
+    return value if value is not None and np.isfinite(value) else None
 
 
 def _report(update, steps):
@@ -474,6 +507,7 @@ def _summary(args, world, history, before, after, opt, scaler, micro_batches, wa
     window = max(1, min(10, len(history) // 4))
     return dict(
         command='mlm', optimizer='lblamb', dtype=args.dtype, rank=world.rank,
+        shard_states=bool(args.shard_states),
         world_size=world.size,
         batch_size=args.batch_size, batch_scale=args.batch_scale,
         effective_batch_size=args.batch_size * args.batch_scale * world.size,
@@ -481,6 +515,9 @@ def _summary(args, world, history, before, after, opt, scaler, micro_batches, wa
         applied_updates=opt.applied_updates,
         skipped_steps=scaler.total_skipped if scaler is not None else 0,
         final_loss_scale=scaler.scale if scaler is not None else 1.0,
+        max_grad_norm=args.max_grad_norm or None,
+        clipped_updates=sum(1 for r in history if r.get('grad_norm') is not None
+                            and args.max_grad_norm and r['grad_norm'] > args.max_grad_norm),
         first_loss=_mean(history[:window], 'loss'), last_loss=_mean(history[-window:], 'loss'),
         first_masked_acc=_mean(history[:window], 'masked_acc'),
         last_masked_acc=_mean(history[-window:], 'masked_acc'),

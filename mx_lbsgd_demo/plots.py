@@ -42,6 +42,8 @@ def _per_epoch(result):
 TRAINING_PANELS = ('test accuracy per epoch', 'learning rate per step',
                    'loss scale per step (skipped steps: red x, labelled with the parameter '
                    'that overflowed most)', 'train loss per epoch')
+GRAD_NORM_PANEL = ('gradient norm per step before clipping (right axis of the train loss '
+                   'panel; the clip threshold dotted)')
 NOISE_SCALE_PANEL = ('gradient noise scale B_simple per epoch (log scale; the effective '
                      'batch as a horizontal line)')
 
@@ -118,12 +120,25 @@ def plot_training(result, path, baseline=None):
     ax.set_yscale('log')
     ax.set(title='train loss per epoch', xlabel='epoch')
     ax.legend(loc='upper right', fontsize=8)
+    if cfg.get('max_grad_norm') and st:
+        _plot_grad_norm(ax.twinx(), _per_epoch(result), st, cfg['max_grad_norm'])
+        ax.set_title('train loss per epoch; gradient norm per step (right)')
+        panels.append(GRAD_NORM_PANEL)
     lines = ['%s: test acc %.3f' % (label, res['final_test_acc']) for res, label, _ in runs]
     fig.suptitle('\n'.join(lines), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return panels
+
+
+def _plot_grad_norm(ax, x, steps, max_norm):
+    norms = [r['grad_norm'] if r.get('grad_norm') is not None else float('nan')
+             for r in steps]
+    ax.plot(x, norms, color='C3', lw=0.8, alpha=0.7, label='gradient norm (main)')
+    ax.axhline(max_norm, color='C3', ls=':', label='clip at %g' % max_norm)
+    ax.set_ylabel('gradient norm')
+    ax.legend(loc='center right', fontsize=8)
 
 
 def _short(name):

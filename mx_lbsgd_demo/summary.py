@@ -23,7 +23,7 @@ EPOCH_FIELDS = ('epoch', 'train_loss', 'train_acc', 'val_acc', 'test_acc', 'lr',
                 'loss_scale', 'skipped_steps', 'seconds', 'underflow_fraction') \
     + NOISE_SCALE_KEYS
 STEP_FIELDS = ('step', 'epoch', 'loss', 'lr', 'loss_scale', 'skipped',
-               'zero_grad_fraction') + OVERFLOW_KEYS
+               'zero_grad_fraction', 'grad_norm') + OVERFLOW_KEYS
 #: What summary.json's ``baseline`` keeps of the baseline's result.
 BASELINE_KEYS = ('optimizer', 'batch_size', 'batch_scale', 'effective_batch_size', 'dtype',
                  'warmup_strategy', 'final_loss_scale', 'skipped_steps', 'final_test_acc',

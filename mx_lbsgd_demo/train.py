@@ -47,6 +47,7 @@ def _make_optimizer(cfg, scaler, updates_per_epoch):
     import mx_lbsgd
     common = dict(learning_rate=cfg.resolved_lr(), momentum=cfg.momentum, wd=cfg.wd,
                   multi_precision=cfg.dtype == 'float16')
+    clip = dict(max_grad_norm=cfg.max_grad_norm)       # ours; the hook clips for the others
     sched = _scheduler(cfg, updates_per_epoch)
     if sched is not None:
         common['lr_scheduler'] = sched
@@ -55,10 +56,10 @@ def _make_optimizer(cfg, scaler, updates_per_epoch):
                 num_epochs=cfg.epochs)
     name = cfg.optimizer
     if name == 'lbsgd':
-        return mx_lbsgd.LBSGD(loss_scaler=scaler, **warm, **common), True
+        return mx_lbsgd.LBSGD(loss_scaler=scaler, **warm, **common, **clip), True
     if name == 'lssgd':
         scaler = scaler or mx_lbsgd.DynamicLossScaler(enabled=False)
-        return mx_lbsgd.LossScaledSGD(loss_scaler=scaler, **common), True
+        return mx_lbsgd.LossScaledSGD(loss_scaler=scaler, **common, **clip), True
     if name == 'sgd':
         return mx.optimizer.SGD(**common), False
     if name == 'mxnet-lbsgd':
@@ -66,7 +67,7 @@ def _make_optimizer(cfg, scaler, updates_per_epoch):
     if name == 'lblamb':
         lamb = dict(common, batch_scale=cfg.batch_scale, trust_exclude=True)
         lamb.pop('momentum')
-        return mx_lbsgd.LAMB(loss_scaler=scaler, **lamb), True
+        return mx_lbsgd.LAMB(loss_scaler=scaler, **lamb, **clip), True
     return mx.optimizer.LARS(eta=0.001, momentum_correction=False, **common), False
 
 
@@ -125,8 +126,10 @@ def build(cfg, net, updates_per_epoch, kvstore=None):
         if kvstore not in (None, 'horovod') and 'dist' in kvstore.type:
             mx_lbsgd.init_kvstore(trainer, cfg.batch_size * kvstore.num_workers)
         hook = None
-        if scaler is not None and not builtin:
-            hook = mx_lbsgd.LossScaling(trainer, scaler, force=True)
+        if (scaler is not None or cfg.max_grad_norm) and not builtin:
+            hook = mx_lbsgd.LossScaling(
+                trainer, scaler or mx_lbsgd.DynamicLossScaler(enabled=False), force=True,
+                max_grad_norm=cfg.max_grad_norm)
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from err
     return trainer, hook, scaler
@@ -324,6 +327,14 @@ class _Run:
         else:
             self.trainer.step(self.step_batch)
 
+    def grad_norm(self):
+        """The global norm of the last applied update's gradient, before clipping (None
+        without clipping, or before the first update; inf/NaN when it was skipped)."""
+        if not self.cfg.max_grad_norm:
+            return None
+        norm = (self.hook if self.hook is not None else self.opt).last_grad_norm
+        return None if norm is None else float(norm.asscalar())
+
     @property
     def scale(self):
         return self.scaler.scale if self.scaler is not None else 1.0
@@ -395,7 +406,7 @@ class _Run:
             if cfg.record_steps:
                 row.update(loss=float(loss.mean().asscalar()), lr=self.lr(), loss_scale=scale,
                            skipped=int(skipped), zero_grad_fraction=zero,
-                           **overflow_fields(report))
+                           grad_norm=self.grad_norm(), **overflow_fields(report))
                 steps.append(row)
             if on_step is not None:
                 on_step(row)

@@ -105,6 +105,11 @@ def _parser():
     p.add_argument('--growth-interval', type=number(int, 1),
                    help='finite steps before a dynamic loss scale doubles (default %d; '
                         '--single: %d)' % (demo['growth_interval'], d.growth_interval))
+    p.add_argument('--max-grad-norm', type=number(float, 0, open_low=True), metavar='NORM',
+                   help='clip the applied gradient (the window\'s mean, unscaled) to this '
+                        'global L2 norm: inside lbsgd, lssgd and lblamb, through '
+                        'mx_lbsgd.LossScaling for the others (default: no clipping; '
+                        'steps.csv then has its norm in grad_norm)')
     p.add_argument('--single', action='store_true',
                    help='one run, no baseline, with the former defaults (batch 32 x 1, '
                         'float32, 15 epochs, warmup 1 epoch, growth interval 100); the '
@@ -165,7 +170,7 @@ def _config(args, parser):
         momentum=args.momentum, wd=args.wd, dtype=pick('dtype'),
         loss_scale=args.loss_scale, growth_interval=pick('growth_interval'),
         kvstore=args.kvstore, seed=args.seed, hidden=args.hidden, target=args.target,
-        record_steps=not args.no_steps)
+        record_steps=not args.no_steps, max_grad_norm=args.max_grad_norm)
 
 
 def _wants_baseline(args):

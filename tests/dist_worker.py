@@ -11,12 +11,19 @@ optimizer and its parameters, steps, the per-worker batch, contexts per worker, 
 Parameters in Gluon, through `set_lr_mult`/`set_wd_mult` on Module's optimizer) and
 `resume` ({'at': step, 'per_rank': bool}: save states and weights there, rank 0 only
 unless per_rank, rebuild everything and load them on every rank), `reports` (save the
-optimizer's or hook's `last_overflow` of every step, as dicts, in rankR.reports.json) and
-`check_local` (LossScaling(check_local=True), or check_local_overflow=True on the
+optimizer's or hook's `last_overflow` of every step, as dicts, in rankR.reports.json),
+`hook_clip` (LossScaling(max_grad_norm=...)) and `check_local` (LossScaling(check_local=True), or check_local_overflow=True on the
 optimizer). Worker r of n trains on
 samples [s*n*b + r*b, s*n*b + (r+1)*b) at step s, so n workers of batch b see what one
 process of batch n*b sees. Each worker saves its weights, loss scales and skip flags, and
-the gradient reductions (pushpull / allreduce calls) of every step.
+the gradient reductions (pushpull / allreduce calls) of every step, and the optimizer's or
+hook's ``last_grad_norm`` after every step (``norms``; NaN without clipping).
+`sharded` (mx_lbsgd.ShardedTrainer under horovod), `perturb_rank` (that rank's first
+parameter differs), `dtype` ('float16' parameters), `stop_at` (save net.params and
+trainer.states into the output folder before that step and stop) and `start_from`
+({'dir', 'at'}: load them and train from that step, at any world size) drive the sharding
+tests; sharded (or `memory`) runs write rankR.info.json (state and accumulator bytes, the
+partition, the bytes exchanged per update).
 """
 import copy
 import json
@@ -53,6 +60,8 @@ def _shard(step, rank, num_workers, batch):
 
 COMM = []      # one entry per gradient reduction call (pushpull, horovod allreduce)
 REPORTS = []   # cfg['reports']: the last_overflow of every step (a dict or None)
+NORMS = []     # the clipping norm of every step (last_grad_norm; NaN without clipping)
+INFO = {}      # sharded / memory runs: state and accumulator bytes, partition, exchange
 
 
 def _keep_report(source):
@@ -83,6 +92,9 @@ def _count_horovod():
 
 
 def _gluon_trainer(cfg, net, kv, num_workers):
+    if cfg.get('kvstore') == 'horovod' and cfg.get('sharded'):
+        return mx_lbsgd.ShardedTrainer(net.collect_params(), cfg['optimizer'],
+                                       _optimizer_params(cfg)), cfg['batch']
     if cfg.get('kvstore') == 'horovod':
         import horovod.mxnet as hvd
         compression = hvd.Compression.fp16 if cfg.get('compression') == 'fp16' else \
@@ -107,8 +119,18 @@ def _set_param_mults(cfg, net):
                 setattr(p, kind + '_mult', cfg['mults'][kind][short])
 
 
+def _net(cfg):
+    """The digits MLP; `dtype` 'float16': float16 parameters (fp32 inside the products)."""
+    if cfg.get('dtype') == 'float16':
+        from digits_mlp import mlp as typed_mlp
+        return typed_mlp((64,), dtype='float16')
+    return mlp()
+
+
 def _gluon(cfg, kv, rank, num_workers, contexts):
-    net = mlp()
+    net = _net(cfg)
+    if cfg.get('perturb_rank') == rank:       # a rank whose parameters differ
+        list(net.collect_params().values())[0].data()[:] += 1e-3
     _set_param_mults(cfg, net)
     if len(contexts) > 1:
         net.collect_params().reset_ctx(contexts)
@@ -116,13 +138,23 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
     hook = None
     if cfg.get('hook'):
         hook = mx_lbsgd.LossScaling(trainer, mx_lbsgd.DynamicLossScaler(**cfg['hook']),
-                                    force=True, check_local=bool(cfg.get('check_local')))
+                                    force=True, check_local=bool(cfg.get('check_local')),
+                                    max_grad_norm=cfg.get('hook_clip'))
+    NORMS.clear()
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     record, comm = [], []
     resume = cfg.get('resume')
-    for step in range(cfg['steps']):
+    first = 0
+    if cfg.get('start_from'):         # a job that resumes another job's files (any size)
+        first = cfg['start_from']['at']
+        net.load_parameters(os.path.join(cfg['start_from']['dir'], 'net.params'), ctx=contexts)
+        trainer.load_states(os.path.join(cfg['start_from']['dir'], 'trainer.states'))
+    for step in range(first, cfg['steps']):
         if resume and step == resume['at']:
             net, trainer = _resume(cfg, net, trainer, kv, rank, num_workers, contexts)
+        if cfg.get('stop_at') == step:
+            _save(cfg, net, trainer, rank)
+            break
         x, y = _shard(step, rank, num_workers, cfg['batch'])
         opt = trainer.optimizer
         scale = opt.loss_scaler.scale if getattr(opt, 'loss_scaler', None) else 1.0
@@ -130,7 +162,8 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
         xs = gluon.utils.split_and_load(nd.array(x), contexts)
         ys = gluon.utils.split_and_load(nd.array(y), contexts)
         with autograd.record():
-            losses = [loss_fn(net(a), b) * scale for a, b in zip(xs, ys)]
+            losses = [loss_fn(net(a.astype(cfg.get('dtype', 'float32'))).astype('float32'), b)
+                      * scale for a, b in zip(xs, ys)]
         autograd.backward(losses)
         if cfg.get('inject', {}).get(str(step)) == rank:
             list(net.collect_params().values())[1].list_grad()[-1][:] = \
@@ -145,9 +178,55 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
                       else _scale_record(trainer.optimizer))
         if cfg.get('reports'):
             _keep_report(hook or trainer.optimizer)
+        norm = getattr(hook or trainer.optimizer, 'last_grad_norm', None)
+        NORMS.append(float('nan') if norm is None else float(norm.asscalar()))
     weights = {p.name.split('_', 1)[1]: p.data(contexts[0]).asnumpy()
                for p in net.collect_params().values()}
+    if cfg.get('sharded') or cfg.get('memory'):
+        INFO.update(state_bytes=_state_bytes(trainer), partition=_partition(trainer),
+                    exchange=_exchange(trainer), num_workers=num_workers)
     return weights, record, comm
+
+
+def _state_bytes(trainer):
+    """(optimizer state bytes, accumulator bytes) this rank holds."""
+    if isinstance(trainer, mx_lbsgd.ShardedTrainer):
+        return trainer.optimizer_state_bytes(), trainer.accumulator_bytes()
+    opt, updater = trainer.optimizer, trainer._updaters[0]
+    state = acc = 0
+    for i, s in updater.states.items():
+        family, master, accumulator = opt.split_state(trainer._params[i].data(), s)
+        state += sum(a.size * np.dtype(a.dtype).itemsize for a in _flat((family, master)))
+        acc += 0 if accumulator is None else accumulator.size * 4
+    return state, acc
+
+
+def _flat(state):
+    if isinstance(state, nd.NDArray):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [a for part in state for a in _flat(part)]
+    return []
+
+
+def _partition(trainer):
+    return trainer.partition.by_name() if isinstance(trainer, mx_lbsgd.ShardedTrainer) else None
+
+
+def _exchange(trainer):
+    return trainer.exchange_bytes() if isinstance(trainer, mx_lbsgd.ShardedTrainer) else None
+
+
+def _save(cfg, net, trainer, rank):
+    """`stop_at`: save the weights (rank 0) and the trainer states, for another job."""
+    folder = cfg['save_dir']
+    if rank == 0:
+        net.save_parameters(os.path.join(folder, 'net.params'))
+    if isinstance(trainer, mx_lbsgd.ShardedTrainer):
+        trainer.save_states(os.path.join(folder, 'trainer.states'))   # every rank takes part
+    elif rank == 0:
+        mx_lbsgd.checkpoint.save_states(trainer, os.path.join(folder, 'trainer.states'))
+    _barrier(cfg, None)
 
 
 def _resume(cfg, net, trainer, kv, rank, num_workers, contexts):
@@ -157,13 +236,20 @@ def _resume(cfg, net, trainer, kv, rank, num_workers, contexts):
     tag = rank if cfg['resume'].get('per_rank') else 0
     if rank == tag:
         net.save_parameters(os.path.join(folder, 'net%d.params' % tag))
+    if isinstance(trainer, mx_lbsgd.ShardedTrainer):
+        trainer.save_states(os.path.join(folder, 'trainer%d.states' % tag))
+    elif rank == tag:
         mx_lbsgd.checkpoint.save_states(trainer, os.path.join(folder, 'trainer%d.states' % tag))
     _barrier(cfg, kv)
-    net = mlp()
+    net = _net(cfg)
     _set_param_mults(cfg, net)
     net.load_parameters(os.path.join(folder, 'net%d.params' % tag), ctx=contexts)
     trainer, _ = _gluon_trainer(cfg, net, kv, num_workers)
-    mx_lbsgd.checkpoint.load_states(trainer, os.path.join(folder, 'trainer%d.states' % tag))
+    states = os.path.join(folder, 'trainer%d.states' % tag)
+    if isinstance(trainer, mx_lbsgd.ShardedTrainer):
+        trainer.load_states(states)
+    else:
+        mx_lbsgd.checkpoint.load_states(trainer, states)
     return net, trainer
 
 
@@ -242,16 +328,21 @@ def main():
         rank, size = kv.rank, kv.num_workers
     if cfg.get('resume'):
         cfg['resume']['dir'] = out
+    if cfg.get('stop_at') is not None:
+        cfg['save_dir'] = out
     try:
         weights, record, comm = train(cfg, kv, rank, size)
     except ValueError as err:        # a refusal: one line for the test to read
         print('rank %d ValueError: %s' % (rank, err), flush=True)
         sys.exit(3)
     np.savez(os.path.join(out, 'rank%d.npz' % rank), record=np.array(record, dtype=float),
-             comm=np.array(comm), **weights)
+             comm=np.array(comm), norms=np.array(NORMS, dtype=float), **weights)
     if cfg.get('reports'):
         with open(os.path.join(out, 'rank%d.reports.json' % rank), 'w') as f:
             json.dump(REPORTS, f)
+    if INFO:
+        with open(os.path.join(out, 'rank%d.info.json' % rank), 'w') as f:
+            json.dump(INFO, f)
     print('rank %d done' % rank)
 
 

@@ -63,13 +63,24 @@ def sgd_step(w, g, mom, lr, wd, momentum, rescale, clip, rows=None):
     return np.where(keep, new_w, w), (np.where(keep, new_mom, mom) if momentum > 0 else mom)
 
 
+def clip_coefficient(grads, rescale, max_grad_norm, eps=1e-6):
+    """Global-norm clipping in float64: min(1, max_grad_norm / (|rescale * grads| + eps)),
+    the norm over every array of `grads`; 1 when max_grad_norm is None or 0."""
+    if not max_grad_norm:
+        return 1.0
+    norm = math.sqrt(sum(float(np.sum(np.square(rescale * np.asarray(g, dtype=np.float64))))
+                         for g in grads))
+    return min(1.0, max_grad_norm / (norm + eps))
+
+
 class LBSGDReference:
     """LBSGD on float64 copies of the weights (the master weights, for fp16 runs)."""
 
     def __init__(self, weights, names, lr, wd, momentum=0.0, strategy='linear', B=1,
                  warmup_epochs=5, updates_per_epoch=32, begin_epoch=0, rescale=1.0,
                  clip=None, eta=0.001, eps=0.0, lars_min=0.0, lars_max=math.inf,
-                 exclude=('bias', 'gamma', 'beta'), lr_mults=None, wd_mults=None, lars=None):
+                 exclude=('bias', 'gamma', 'beta'), lr_mults=None, wd_mults=None, lars=None,
+                 max_grad_norm=None):
         self.w = [np.array(x, dtype=np.float64) for x in weights]
         self.mom = [np.zeros_like(x) for x in self.w]
         self.acc = [np.zeros_like(x) for x in self.w]
@@ -80,7 +91,9 @@ class LBSGDReference:
                              n0=begin_epoch * updates_per_epoch, rescale=rescale, clip=clip,
                              eta=eta, eps=eps, lars_min=lars_min, lars_max=lars_max,
                              exclude=exclude, lr_mults=lr_mults or {}, wd_mults=wd_mults or {},
-                             lars=strategy == 'lars' if lars is None else lars)
+                             lars=strategy == 'lars' if lars is None else lars,
+                             max_grad_norm=max_grad_norm)
+        self.coefficients = []     # the clip coefficient of each update
 
     def step(self, grads):
         self.k += 1
@@ -88,8 +101,10 @@ class LBSGDReference:
             self.acc[i] = self.acc[i] + np.asarray(g, dtype=np.float64)
         if self.k % self.B:
             return
+        c = clip_coefficient([a / self.B for a in self.acc], self.rescale, self.max_grad_norm)
+        self.coefficients.append(c)
         for i, name in enumerate(self.names):
-            g = self.acc[i] / self.B
+            g = c * self.acc[i] / self.B
             lr = self.lr * self.lr_mults.get(name, 1.0)
             wd = self.wd * self.wd_mults.get(name, 1.0)
             if self.strategy != 'lars':

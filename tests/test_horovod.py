@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
 pytest.importorskip('horovod.mxnet')
 
 from harness import horovodrun  # noqa: E402
-from test_kvstore import SCALED, WARMUP, assert_same, config, reference  # noqa: E402
+import dist_worker  # noqa: E402
+from test_kvstore import (CLIP, SCALED, WARMUP, assert_same, check_norms, config,  # noqa: E402
+                          reference)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dist_worker.py')
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
@@ -37,7 +39,7 @@ def results(tmp_path):
     for name in ranks[0].files:                  # every worker holds the same weights
         np.testing.assert_array_equal(ranks[0][name], ranks[1][name])
     saved = ranks[0]
-    return ({k: saved[k] for k in saved.files if k not in ('record', 'comm')},
+    return ({k: saved[k] for k in saved.files if k not in ('record', 'comm', 'norms')},
             saved['record'], list(saved['comm']))
 
 
@@ -86,6 +88,27 @@ def test_two_workers_equal_one_process(tmp_path, cfg, comm):
     assert got_comm == comm
     if cfg.get('inject'):
         assert record[:, 1].sum() == len(cfg['inject'])      # skipped on every worker
+
+
+@pytest.mark.parametrize('cfg, comm', [
+    pytest.param(hvd('gluon', 'lblamb', dict(SCALED, learning_rate=0.01, batch_scale=4,
+                                             max_grad_norm=CLIP), steps=12, inject={'5': 1}),
+                 window(4, 12), id='gluon-lblamb-scaled-B4-clip-inf-mid-window'),
+    pytest.param(hvd('gluon', 'sgd', {}, hook=SCALED['loss_scaler'], hook_clip=CLIP,
+                     inject={'2': 0}), window(1, 5), id='gluon-hook-clip-inf-on-one-worker'),
+])
+def test_clipping_two_workers(tmp_path, cfg, comm):
+    """The BERT recipe's clipping under Horovod: the norm of the allreduced gradient, the
+    same on both ranks, with no allreduce of its own; an inf on one rank skips everywhere."""
+    code, log = run_job(cfg, tmp_path)
+    assert code == 0, log
+    weights, record, got_comm = results(tmp_path)
+    ranks_norms = [np.load(str(tmp_path / ('rank%d.npz' % r)))['norms'] for r in range(2)]
+    ref_weights, ref_record, _ = reference(cfg, 2)
+    check_norms(ranks_norms, list(dist_worker.NORMS), cfg)
+    assert_same(weights, record, ref_weights, ref_record, rtol=1e-3, atol=1e-4)
+    assert got_comm == comm
+    assert record[:, 1].sum() == len(cfg['inject'])      # skipped on every worker
 
 
 MULTS = [

@@ -41,3 +41,34 @@ def test_counter_sees_a_sync():
     with count_host_syncs() as calls:
         mx.nd.ones((2,)).asnumpy()
     assert calls == ['asnumpy']
+
+
+CLIP_CASES = [pytest.param(o, b, d, mp, f, s, id='%s-B%d-%s-%s-%s' % (o, b, d, f, s))
+              for o in ('lbsgd', 'lars', 'lblamb') for b in (1, 4)
+              for d, mp in (('float32', False), ('float16', True)) for f in (True, False, None)
+              for s in ('plain', 'scaled')]
+
+
+@pytest.mark.parametrize('opt, batch_scale, dtype, mp, fused, scaling', CLIP_CASES)
+def test_clipping_keeps_the_host_syncs(opt, batch_scale, dtype, mp, fused, scaling):
+    """max_grad_norm through a bare Updater (the step assembled by the gate): a
+    loss-scaled step reads one value, whose sum-of-squares pass is also the norm; a plain
+    step reads nothing on the native kernels, which skip a non-finite norm on the device,
+    and one value (the norm) on MXNet's operators, which cannot."""
+    args = dict(batch_scale=batch_scale, multi_precision=mp, fused=fused, max_grad_norm=0.01,
+                param_idx2name=dict(enumerate(NAMES)))
+    if scaling == 'scaled':
+        args['loss_scaler'] = mx_lbsgd.DynamicLossScaler(init_scale=1.0)
+    if opt == 'lblamb':
+        optimizer = mx_lbsgd.LAMB(**args)
+    else:
+        optimizer = mx_lbsgd.LBSGD(momentum=0.9, lars=opt == 'lars', **args)
+    calls, _ = run_steps(optimizer, dtype, 8)
+    native = fused is None and mx_lbsgd.native_library() is not None
+    if scaling == 'scaled':
+        assert calls == ['asscalar'] * 8
+    elif native:
+        assert calls == []
+    else:
+        assert calls == ['asscalar'] * (8 // batch_scale)
+    assert float(optimizer.last_clip_coefficient.asscalar()) < 1.0     # it clipped

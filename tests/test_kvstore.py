@@ -130,6 +130,34 @@ DIST = [
 ]
 
 
+CLIP = 0.5       # the digits MLP's gradient norms are 0.7 to 1.2: the clip bites
+
+CLIPPED = [
+    pytest.param(config('gluon', 'lblamb', dict(SCALED, learning_rate=0.01, batch_scale=4,
+                                                max_grad_norm=CLIP),
+                        steps=12, kvstore='dist_sync', update_on_kvstore=False,
+                        inject={'5': 1}),
+                 id='gluon-lblamb-scaled-B4-clip-inf-on-one-worker-mid-window'),
+    pytest.param(config('gluon', 'lbsgd', dict(warmup_strategy='lars', max_grad_norm=CLIP),
+                        kvstore='dist_sync', update_on_kvstore=False), id='gluon-lars-clip'),
+]
+
+
+def check_norms(ranks_norms, ref_norms, cfg, clip=CLIP):
+    """The clipping norm of every step: the same bits on every worker (the norm of the
+    reduced gradient, no communication of its own), the one-process run's norm, and above
+    the clip on every applied step; not finite on the steps that were skipped."""
+    for norms in ranks_norms[1:]:
+        np.testing.assert_array_equal(norms, ranks_norms[0])
+    np.testing.assert_allclose(ranks_norms[0], ref_norms, rtol=1e-4)
+    B = cfg['params'].get('batch_scale', 1)
+    # the steps that close a window (the norm stays until the next window closes)
+    measured = np.asarray(ranks_norms[0])[[(s + 1) % B == 0 for s in range(cfg['steps'])]]
+    skipped = len(cfg.get('inject', {}))
+    assert np.sum(~np.isfinite(measured)) == skipped
+    assert len(measured) > skipped and np.all(measured[np.isfinite(measured)] > clip)
+
+
 def expected_reductions(cfg, num_params=4):
     """Reductions per step: one per parameter on every micro-batch that updates."""
     B = cfg['params'].get('batch_scale', 1)
@@ -147,7 +175,7 @@ def run_job(cfg, tmp_path, workers=2, timeout=60):
     return code, out.getvalue()
 
 
-@pytest.mark.parametrize('cfg', DIST)
+@pytest.mark.parametrize('cfg', DIST + CLIPPED)
 def test_dist_workers_equal_one_process(tmp_path, cfg):
     code, log = run_job(cfg, tmp_path)
     # a process stuck in ps-lite's exit after the final barrier is stopped by the launcher,
@@ -155,8 +183,9 @@ def test_dist_workers_equal_one_process(tmp_path, cfg):
     assert code == 0, log
     ranks = [np.load(str(tmp_path / ('rank%d.npz' % r))) for r in range(2)]
     ref_weights, ref_record, _ = reference(cfg, 2)
+    ref_norms = list(dist_worker.NORMS)
     for saved in ranks:
-        weights = {k: saved[k] for k in saved.files if k not in ('record', 'comm')}
+        weights = {k: saved[k] for k in saved.files if k not in ('record', 'comm', 'norms')}
         if cfg['api'] == 'gluon' and cfg.get('update_on_kvstore') is False:
             assert list(saved['comm']) == expected_reductions(cfg)
         # sums over 2 workers x contexts round differently from one batch (LARS amplifies)
@@ -165,6 +194,8 @@ def test_dist_workers_equal_one_process(tmp_path, cfg):
         np.testing.assert_array_equal(ranks[0][name], ranks[1][name])
     if cfg.get('inject'):
         assert ranks[0]['record'][:, 1].sum() == len(cfg['inject'])     # skipped everywhere
+    if cfg['params'].get('max_grad_norm'):
+        check_norms([r['norms'] for r in ranks], ref_norms, cfg)
 
 
 @pytest.mark.parametrize('cfg', [

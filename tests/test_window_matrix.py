@@ -28,7 +28,7 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 import mx_lbsgd
-from reference import LBSGDReference, lamb_step
+from reference import LBSGDReference, clip_coefficient, lamb_step
 
 pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
@@ -87,9 +87,9 @@ def _scaled(opt, dtype, entry):
     return 1.0, False
 
 
-def _optimizer(opt, dtype, batch_scale, fused, entry):
+def _optimizer(opt, dtype, batch_scale, fused, entry, extra=None):
     name, args = OPTIMIZERS[opt]
-    args = dict(args, multi_precision=dtype == 'float16', fused=fused)
+    args = dict(args, multi_precision=dtype == 'float16', fused=fused, **(extra or {}))
     if opt != 'lssgd':
         args['batch_scale'] = batch_scale
     scale, own = _scaled(opt, dtype, entry)
@@ -190,8 +190,8 @@ def _updater(opt, dtype, start, micro, scale):
     return [w.asnumpy().astype(np.float64) for w in weights], states, opt
 
 
-def _run(opt, dtype, batch_scale, fused, entry, start, micro):
-    optimizer = _optimizer(opt, dtype, batch_scale, fused, entry)
+def _run(opt, dtype, batch_scale, fused, entry, start, micro, extra=None):
+    optimizer = _optimizer(opt, dtype, batch_scale, fused, entry, extra)
     scale, _ = _scaled(opt, dtype, entry)
     if entry in ('trainer', 'hook'):
         return _gluon(optimizer, dtype, start, micro, scale, [mx.cpu()], None,
@@ -206,26 +206,32 @@ def _run(opt, dtype, batch_scale, fused, entry, start, micro):
 
 # -- the reference ----------------------------------------------------------------------
 
-def _reference(opt, batch_scale, start, micro, wd_mults):
+def _reference(opt, batch_scale, start, micro, wd_mults, max_grad_norm=None):
+    """The float64 weights after `micro`, and the clip coefficient of each update."""
     if opt == 'lblamb':
         w = [x.copy() for x in start]
         moments = [(np.zeros_like(x), np.zeros_like(x)) for x in w]
+        coefficients = []
         for t, k in enumerate(range(0, len(micro), batch_scale), start=1):
+            means = [sum(m[i] for m in micro[k:k + batch_scale]) / batch_scale
+                     for i in range(len(w))]
+            coefficients.append(clip_coefficient(means, RESCALE, max_grad_norm))
             for i in range(len(w)):
-                g = sum(m[i] for m in micro[k:k + batch_scale]) / batch_scale
+                g = coefficients[-1] * means[i]
                 w[i], *moments[i] = lamb_step(w[i], g, *moments[i], t=t, lr=0.01,
                                               wd=0.01 * wd_mults.get(NAMES[i], 1.0),
                                               rescale=RESCALE)
-        return w
+        return w, coefficients
     args = OPTIMIZERS[opt][1]
     ref = LBSGDReference(start, NAMES, lr=args['learning_rate'], wd=args['wd'],
                          momentum=args['momentum'], strategy='linear',
                          B=batch_scale, warmup_epochs=args.get('warmup_epochs', 0),
                          updates_per_epoch=args.get('updates_per_epoch', 32),
-                         rescale=RESCALE, lars=bool(args.get('lars')), wd_mults=wd_mults)
+                         rescale=RESCALE, lars=bool(args.get('lars')), wd_mults=wd_mults,
+                         max_grad_norm=max_grad_norm)
     for grads in micro:
         ref.step(grads)
-    return ref.w
+    return ref.w, ref.coefficients
 
 
 def _rounded_window_means(micro, batch_scale, scale):
@@ -242,12 +248,19 @@ def _rounded_window_means(micro, batch_scale, scale):
 
 @pytest.mark.parametrize('opt, dtype_id, batch_scale, path, entry', MATRIX)
 def test_window_matrix(opt, dtype_id, batch_scale, path, entry):
+    check_against_reference(opt, dtype_id, batch_scale, path, entry)
+
+
+def check_against_reference(opt, dtype_id, batch_scale, path, entry, max_grad_norm=None):
+    """Run one case of the matrix and compare it with the reference; returns the
+    optimizer and the reference's clip coefficients."""
     dtype = 'float16' if dtype_id == 'fp16mp' else 'float32'
     steps = WINDOWS * batch_scale if batch_scale > 1 else 3
     start = _start(dtype)
     micro = _micro_batches(steps)
+    extra = {'max_grad_norm': max_grad_norm} if max_grad_norm else None
     weights, states, optimizer = _run(opt, dtype, batch_scale, PATHS[path], entry, start,
-                                      micro)
+                                      micro, extra)
     # two contexts each computed the micro-batch's gradient: the kvstore sums them
     seen = [[2 * g for g in m] for m in micro] if entry == 'kvstore' else micro
     if entry == 'trainer' and dtype == 'float16' and batch_scale > 1:
@@ -257,7 +270,7 @@ def test_window_matrix(opt, dtype_id, batch_scale, path, entry):
     # _weight or _gamma (Gluon and Module do not pass names that way)
     wd_mults = ({n: 0.0 for n in NAMES if not n.endswith(('_weight', '_gamma'))}
                 if entry == 'updater' else {})
-    ref = _reference(opt, batch_scale, start, seen, wd_mults)
+    ref, coefficients = _reference(opt, batch_scale, start, seen, wd_mults, max_grad_norm)
     lamb = opt == 'lblamb'
     for i, (w, r) in enumerate(zip(weights, ref)):
         got = w
@@ -271,3 +284,4 @@ def test_window_matrix(opt, dtype_id, batch_scale, path, entry):
         np.testing.assert_allclose(got, r, rtol=1e-4 if lamb else 2e-5,
                                    atol=1e-5 if lamb else 2e-6, err_msg=NAMES[i])
     assert optimizer.applied_updates == steps // batch_scale
+    return optimizer, coefficients

@@ -16,7 +16,8 @@ depend on the family. Adding a family means writing a class that satisfies `Kern
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, Union
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 from mxnet import nd
@@ -32,6 +33,45 @@ FamilyState = Any
 Arrays = List[nd.NDArray]
 Masters = List[Optional[nd.NDArray]]
 Floats = List[float]
+
+
+@dataclasses.dataclass
+class GradNorm:
+    """The global L2 norm of the gradients an update applies, on one device, for clipping::
+
+        norm = factor * sqrt(sum_sq)            # float32, on the device
+        coefficient = min(1, max_norm / (norm + eps))
+
+    `sum_sq` is the (1,) float32 sum of squares of the gradients as passed; `factor` the
+    scalar that makes them the applied gradient (rescale_grad, 1 / loss scale). The
+    coefficient multiplies rescale_grad in the kernels; it is NaN when the norm is not
+    finite, and the native kernels then write nothing."""
+
+    sum_sq: nd.NDArray
+    factor: float
+    max_norm: float
+    eps: float
+    _cache: Dict[str, nd.NDArray] = dataclasses.field(default_factory=dict, repr=False)
+
+    def norm(self) -> nd.NDArray:
+        """The norm, a (1,) float32 device array (computed once, no host sync)."""
+        if 'norm' not in self._cache:
+            self._cache['norm'] = nd.sqrt(self.sum_sq) * self.factor
+        return self._cache['norm']
+
+    def coefficient(self) -> nd.NDArray:
+        """min(1, max_norm / (norm + eps)), a (1,) float32 device array; NaN when the norm
+        is not finite (``+ 0 * norm``: an infinite norm would give 0)."""
+        if 'coefficient' not in self._cache:
+            norm = self.norm()
+            self._cache['coefficient'] = \
+                nd.minimum(self.max_norm / (norm + self.eps), 1.0) + norm * 0.0
+        return self._cache['coefficient']
+
+    def native_attrs(self) -> Dict[str, Union[int, float]]:
+        """The attributes of the native update operators that take `sum_sq` as an input."""
+        return dict(has_norm=1, max_grad_norm=self.max_norm, norm_factor=self.factor,
+                    norm_eps=self.eps)
 
 
 class KernelFamily(Protocol):
@@ -65,8 +105,9 @@ class KernelFamily(Protocol):
             states: List[FamilyState], masters: List[Optional[nd.NDArray]], lrs: List[float],
             wds: List[float], lr_vector: Optional[nd.NDArray], rescale_grad: float,
             clip_gradient: Optional[float], scratch: dict, steps: List[int],
-            ratio_applies: Optional[List[bool]]) -> None:
-        """Run `kernel` (one of this family's) on a group of tensors."""
+            ratio_applies: Optional[List[bool]], grad_norm: Optional[GradNorm]) -> None:
+        """Run `kernel` (one of this family's) on a group of tensors; with `grad_norm`, on
+        the gradients times its coefficient (global-norm clipping)."""
 
 
 class SparseKernelFamily(KernelFamily, Protocol):
@@ -77,7 +118,8 @@ class SparseKernelFamily(KernelFamily, Protocol):
                    states: List[FamilyState], masters: List[Optional[nd.NDArray]],
                    lrs: List[float], wds: List[float], rescale_grad: float,
                    clip_gradient: Optional[float]) -> None:
-        """Update tensors with non-default storage one by one."""
+        """Update tensors with non-default storage one by one (the shell has already
+        multiplied their gradients by a clip coefficient)."""
 
 
 class FamilyBase:

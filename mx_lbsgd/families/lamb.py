@@ -3,7 +3,7 @@
 You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes"
 (2019), https://arxiv.org/abs/1904.00962. Per tensor, at its t-th applied update::
 
-    g = clip(rescale_grad * grad, clip_gradient)
+    g = clip(c * rescale_grad * grad, clip_gradient)    # c: 1, or the global-norm clip
     mean = beta1 * mean + (1 - beta1) * g
     var = beta2 * var + (1 - beta2) * g ** 2
     m, v = (mean / (1 - beta1 ** t), var / (1 - beta2 ** t)) if bias_correction else (mean, var)
@@ -30,6 +30,11 @@ Three kernels share one keyword-only signature:
   layer excluded from it takes the per-tensor path, which passes zero norms (MXNet's
   phase2 then keeps lr).
 
+With global-norm clipping the native kernel folds the coefficient ``c`` into its
+rescale_grad (and writes nothing when the norm is not finite); MXNet's LAMB operators take
+rescale_grad as a float only, so on their paths the gradients are multiplied by ``c`` in
+place first (one extra pass, the GPU path's cost).
+
 Differences from MXNet's ``mx.optimizer.LAMB``: none in the update (the native kernel's
 moments are MXNet's bit for bit; its norms are summed in double, so the weights differ from
 MXNet's in the last bits of the trust ratio); the family runs
@@ -45,7 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from mxnet import nd
 
 from .. import _kernels, _native
-from .base import (Arrays, FamilyBase, FamilyState, Floats, Masters, native_clip,
+from .base import (Arrays, FamilyBase, FamilyState, Floats, GradNorm, Masters, native_clip,
                    update_kwargs)
 from .base import cast_down as _cast_down
 
@@ -64,7 +69,9 @@ def _single_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments]
                         ratio_applies: Optional[List[bool]], bounds: Dict[str, float],
                         beta1: float, beta2: float, epsilon: float, bias_correction: bool,
                         rescale_grad: float, clip_gradient: Optional[float],
-                        scratch: dict) -> None:
+                        scratch: dict, grad_norm: Optional[GradNorm] = None) -> None:
+    if grad_norm is not None:
+        grads = _kernels.scale_gradients(grads, grad_norm.coefficient())
     kwargs = update_kwargs(rescale_grad, clip_gradient, beta1=beta1, beta2=beta2,
                            epsilon=epsilon, bias_correction=bias_correction)
     for i, (w, g, (mean, var), w32) in enumerate(zip(weights, grads, states, masters)):
@@ -89,16 +96,21 @@ def _native_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments], maste
                  ratio_applies: Optional[List[bool]], bounds: Dict[str, float], beta1: float,
                  beta2: float, epsilon: float, bias_correction: bool, rescale_grad: float,
                  clip_gradient: Optional[float],
-                 scratch: dict) -> None:  # pylint: disable=unused-argument
+                 scratch: dict,  # pylint: disable=unused-argument
+                 grad_norm: Optional[GradNorm]) -> None:
     """All tensors in one call of the native ``mx_lbsgd_lamb_update`` (two passes over
-    memory, norms included; excluded layers take ratio 1 in the same call)."""
+    memory, norms included; excluded layers take ratio 1 in the same call; with
+    `grad_norm` the clip coefficient is computed inside, and a non-finite norm writes
+    nothing)."""
     mp = masters[0] is not None
     arrays = (list(weights) + list(grads) + [s[0] for s in states] + [s[1] for s in states]
-              + (list(masters) if mp else []))
+              + (list(masters) if mp else [])
+              + ([grad_norm.sum_sq] if grad_norm is not None else []))
+    clip = {} if grad_norm is None else grad_norm.native_attrs()
     applies = [1] * len(weights) if ratio_applies is None else [int(a) for a in ratio_applies]
     numbers = _native.attribute_list
     _native.ops().lamb_update(  # type: ignore[union-attr]  # chosen only when ops() is set
-        *arrays, num_tensors=len(weights), multi_precision=int(mp), lrs=numbers(lrs),
+        *arrays, **clip, num_tensors=len(weights), multi_precision=int(mp), lrs=numbers(lrs),
         wds=numbers(wds), steps=numbers(steps), applies=numbers(applies), beta1=beta1,
         beta2=beta2, epsilon=epsilon, bias_correction=int(bias_correction),
         rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient),
@@ -111,7 +123,10 @@ def _multi_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments],
                        ratio_applies: Optional[List[bool]], bounds: Dict[str, float],
                        beta1: float, beta2: float, epsilon: float, bias_correction: bool,
                        rescale_grad: float, clip_gradient: Optional[float],
-                       scratch: dict) -> None:  # pylint: disable=unused-argument
+                       scratch: dict,  # pylint: disable=unused-argument
+                       grad_norm: Optional[GradNorm] = None) -> None:
+    if grad_norm is not None:
+        grads = _kernels.scale_gradients(grads, grad_norm.coefficient())
     kwargs = update_kwargs(rescale_grad, clip_gradient, beta1=beta1, beta2=beta2,
                            epsilon=epsilon, bias_correction=bias_correction, **bounds)
     means = [s[0] for s in states]
@@ -187,8 +202,18 @@ class LAMBFamily(FamilyBase):
 
     def run(self, kernel: Callable[..., None], *, states: List[Moments], steps: List[int],
             ratio_applies: Optional[List[bool]], lr_vector: Optional[nd.NDArray],
-            **common: Any) -> None:
-        """Run `kernel`; tensors excluded from the trust ratio take the per-tensor path."""
+            grad_norm: Optional[GradNorm], **common: Any) -> None:
+        """Run `kernel`; tensors excluded from the trust ratio take the per-tensor path.
+        With `grad_norm`, MXNet's operators get gradients scaled in place by its
+        coefficient; the native kernel takes it as an input."""
+        if grad_norm is not None:
+            if kernel is _native_lamb:
+                kernel(bounds=self.bounds, states=states, steps=steps,
+                       ratio_applies=ratio_applies, grad_norm=grad_norm, **common,
+                       **self.hyper)
+                return
+            common['grads'] = _kernels.scale_gradients(common['grads'],
+                                                       grad_norm.coefficient())
         groups: List[Tuple[Callable[..., None], List[int]]] = [
             (kernel, list(range(len(states))))]
         if kernel is _multi_tensor_lamb and ratio_applies is not None \
@@ -198,4 +223,4 @@ class LAMBFamily(FamilyBase):
         lists = dict(common, states=states, steps=steps, ratio_applies=ratio_applies)
         for path, pos in groups:
             if pos:
-                path(bounds=self.bounds, **_pick(pos, lists), **self.hyper)
+                path(bounds=self.bounds, grad_norm=None, **_pick(pos, lists), **self.hyper)

@@ -8,8 +8,12 @@ non-default storage one by one. The native kernel's results are MXNet's operator
 bit (``tests/test_native.py``).
 Per tensor, with ``lr`` either a float or an entry of a device vector (LARS)::
 
-    mom = momentum * mom - lr * (clip(rescale_grad * g, clip_gradient) + wd * w)
+    mom = momentum * mom - lr * (clip(c * rescale_grad * g, clip_gradient) + wd * w)
     w = w + mom                         # w: the fp32 master copy when there is one
+
+``c`` is 1, or with global-norm clipping the `GradNorm` coefficient: the native kernel
+multiplies its rescale_grad by it; MXNet's operators take ``lr * c`` and ``wd / c`` as
+device vectors (the ``preloaded_multi_sgd_*`` kernels), so no path rewrites a gradient.
 
 `SGDFamily` tells the optimizer shell how states are laid out (MXNet SGD's: ``mom``,
 ``(mom, weight_fp32)`` or None) and runs a kernel with the family's hyperparameters. A
@@ -18,12 +22,12 @@ ratio and loss-scale gate do not depend on it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from mxnet import nd
 
 from .. import _kernels, _native
-from .base import (Arrays, FamilyBase, FamilyState, Floats, Masters, native_clip,
+from .base import (Arrays, FamilyBase, FamilyState, Floats, GradNorm, Masters, native_clip,
                    update_kwargs)
 from .base import cast_down as _cast_down
 
@@ -43,12 +47,34 @@ def _native_mp(weight: nd.NDArray, grad: nd.NDArray,
         weight.context.device_type == 'gpu'
 
 
+def _device_rates(weights: Arrays, lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
+                  grad_norm: Optional[GradNorm]
+                  ) -> Tuple[Optional[nd.NDArray], Optional[nd.NDArray]]:
+    """(lr vector, wd vector) on the device for the preloaded kernels, or (None, None) when
+    the rates stay Python floats: the trust-ratio rates (`lr_vector`) or `lrs`, times the
+    clip coefficient c, and wds / c, so that lr * (c*g + wd*w) is what the kernel computes."""
+    if lr_vector is None and grad_norm is None:
+        return None, None
+    ctx = weights[0].context
+    lr_vec = lr_vector if lr_vector is not None else _kernels.device_vector(lrs, ctx)
+    wd_vec = _kernels.device_vector(wds, ctx)
+    if grad_norm is not None:
+        c = grad_norm.coefficient()
+        lr_vec = nd.broadcast_mul(lr_vec, c)
+        # (c > 0 whenever these kernels run: a non-finite norm never reaches them)
+        wd_vec = nd.broadcast_div(wd_vec, nd.maximum(c, _SMALLEST_COEFFICIENT))
+    return lr_vec, wd_vec
+
+
+_SMALLEST_COEFFICIENT = 1e-30
+
+
 def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
                        lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
                        momentum: float, rescale_grad: float, clip_gradient: Optional[float],
-                       scratch: dict) -> None:
+                       scratch: dict, grad_norm: Optional[GradNorm]) -> None:
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
-    wd_vector = None if lr_vector is None else _kernels.device_vector(wds, weights[0].context)
+    lr_vector, wd_vector = _device_rates(weights, lrs, wds, lr_vector, grad_norm)
     for i, (w, g, m, w32) in enumerate(zip(weights, grads, moms, masters)):
         native = _native_mp(w, g, w32)
         if w32 is not None and not native and g.dtype != w32.dtype:
@@ -72,17 +98,22 @@ def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters
 def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
                 lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray], momentum: float,
                 rescale_grad: float, clip_gradient: Optional[float],
-                scratch: dict) -> None:  # pylint: disable=unused-argument
+                scratch: dict,  # pylint: disable=unused-argument
+                grad_norm: Optional[GradNorm]) -> None:
     """Every tensor in one call of the native ``mx_lbsgd_sgd_update``: one pass over
     memory, MXNet's arithmetic (``sgd_mom_update``, ``sgd_update``, and with LARS rates
     ``preloaded_multi_sgd_*``), float16 gradients widened on the fly (float16 weights with
-    master copies take float16 or float32 gradients: an accumulated window)."""
+    master copies take float16 or float32 gradients: an accumulated window). With
+    `grad_norm` the operator computes the clip coefficient itself and writes nothing when
+    the norm is not finite."""
     mp = masters[0] is not None
     with_mom = moms[0] is not None
     arrays = list(weights) + list(grads) + (list(moms) if with_mom else []) + \
-        (list(masters) if mp else []) + ([lr_vector] if lr_vector is not None else [])
+        (list(masters) if mp else []) + ([lr_vector] if lr_vector is not None else []) + \
+        ([grad_norm.sum_sq] if grad_norm is not None else [])
+    clip = {} if grad_norm is None else grad_norm.native_attrs()
     _native.ops().sgd_update(  # type: ignore[union-attr]  # chosen only when ops() is set
-        *arrays, num_tensors=len(weights), has_momentum=int(with_mom),
+        *arrays, **clip, num_tensors=len(weights), has_momentum=int(with_mom),
         momentum=momentum if with_mom else 0.0, multi_precision=int(mp),
         preloaded=int(lr_vector is not None), lrs=_native.attribute_list(lrs),
         wds=_native.attribute_list(wds),
@@ -100,7 +131,8 @@ def _preloaded(mp: bool, with_mom: bool) -> Callable[..., Any]:
 def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
                       lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
                       momentum: float, rescale_grad: float, clip_gradient: Optional[float],
-                      scratch: dict) -> None:  # pylint: disable=unused-argument
+                      scratch: dict,  # pylint: disable=unused-argument
+                      grad_norm: Optional[GradNorm]) -> None:
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
     # fp16 gradients with master copies: the mp_* kernels (one scratch buffer cannot hold
     # the fp32 casts of a whole chunk)
@@ -108,7 +140,7 @@ def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters:
     cast_down = masters[0] is not None and not native
     targets = masters if cast_down else weights
     with_mom = moms[0] is not None
-    wd_vector = None if lr_vector is None else _kernels.device_vector(wds, weights[0].context)
+    lr_vector, wd_vector = _device_rates(weights, lrs, wds, lr_vector, grad_norm)
     for start, end in _kernels.spans(weights):
         part = slice(start, end)
         columns = [targets[part], grads[part]]

@@ -10,7 +10,7 @@ import mxnet as mx
 
 from .. import _compat, _kernels
 from .._checks import check_choice, check_int, check_real
-from ..pipeline import binding as _binding
+from ..pipeline import binding as _binding, clip as _clip
 from . import gate as _scaling, overflow
 from .scaler import DynamicLossScaler, as_scaler
 
@@ -23,9 +23,18 @@ class LossScaling(overflow.OverflowViews):
             loss = loss_fn(net(x), y)
             scaled = scaling.scale_loss(loss)            # loss * scale
         scaled.backward()
-        scaling.unscale()                                # optional, before clipping
-        scaling.clip_global_norm(1.0)                    # optional, needs unscale()
         applied = scaling.step(batch_size)               # check, skip or apply, adjust scale
+
+    With ``max_grad_norm``, `step` also clips the gradient the update applies to that
+    global L2 norm: the gradients as they stand at `step` (with grad_req='add', the
+    window's sum), unscaled, reduced, times the update's rescale_grad; ``c = min(1,
+    max_grad_norm / (norm + 1e-6))`` is folded into ``Trainer.update``'s rescale_grad, so
+    no gradient is rewritten. The norm's sum-of-squares pass is also the finite check, and
+    its value is the one host read of the step. A non-finite norm skips the step (and with
+    loss scaling backs off the scale); ``last_grad_norm`` holds the norm.
+    For ``LBSGD``/``LAMB`` with ``batch_scale > 1``, each `step` is one micro-batch: clip in
+    the optimizer instead (its own ``max_grad_norm``), which sees the window's mean.
+    `unscale` + `clip_global_norm` remain for hand-written clipping of one step's gradients.
 
     `step` all-reduces the gradients (Trainer.allreduce_grads), checks every gradient of
     every trainer on every device on the device, reads one flag back to the host, and then
@@ -58,6 +67,8 @@ class LossScaling(overflow.OverflowViews):
         On a distributed job, keep a device-side finite flag of this worker's gradients
         before the all-reduce, so a report can say whether this worker overflowed (one
         finite check per step more; never read on a finite step).
+    max_grad_norm : None or float >= 0, default None
+        Clip the applied gradient to this global L2 norm (None or 0: no clipping).
 
     After a skipped step ``last_overflow`` is an `OverflowReport` (None after a finite
     step); ``overflow_history`` and ``overflow_tally`` keep the recent ones.
@@ -67,16 +78,28 @@ class LossScaling(overflow.OverflowViews):
                  scaler: Union[DynamicLossScaler, float, None] = None, force: bool = False,
                  fused: Optional[bool] = None, history_size: int = overflow.HISTORY_SIZE,
                  log_interval: float = overflow.LOG_INTERVAL,
-                 check_local: bool = False) -> None:
+                 check_local: bool = False, max_grad_norm: Optional[float] = None) -> None:
         self.trainers = [trainers] if isinstance(trainers, mx.gluon.Trainer) else list(trainers)
         if not self.trainers or not all(isinstance(t, mx.gluon.Trainer) for t in self.trainers):
             raise TypeError('trainers must be a gluon.Trainer or a list of them; got %r'
                             % (trainers,))
         for t in self.trainers:
+            if hasattr(t, 'step_sum_of_squares'):
+                raise ValueError('LossScaling cannot drive a ShardedTrainer: after its '
+                                 'exchange each rank holds only the gradients it owns. Pass '
+                                 "loss_scaler=... (and max_grad_norm=...) to the optimizer")
             if getattr(t.optimizer, 'loss_scaler', None) is not None:
                 raise ValueError('LossScaling: the optimizer %s already scales the loss '
                                  '(loss_scaler=%r); use one of the two, not both'
                                  % (type(t.optimizer).__name__, t.optimizer.loss_scaler))
+        if max_grad_norm is not None:
+            check_real('max_grad_norm', max_grad_norm, 0.0)
+        for t in self.trainers if max_grad_norm else ():
+            _refuse_double_clipping(t.optimizer)
+        self.max_grad_norm = float(max_grad_norm) if max_grad_norm else None
+        #: the global norm of the last step's applied gradient (before clipping), a (1,)
+        #: NDArray (None without max_grad_norm, or before the first step)
+        self.last_grad_norm: Optional[mx.nd.NDArray] = None
         self.scaler = as_scaler(scaler, 'scaler')
         self.force = bool(force)
         self.fused = check_choice('fused', fused, (None, True, False))
@@ -182,7 +205,18 @@ class LossScaling(overflow.OverflowViews):
         self._prepare()
         active = self._is_active()
         scale = self.scaler.scale
-        applied = not active or _scaling.decide(self.scaler, self._grads(), self.fused)
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            norm = self._measure(batch_size, scale if active else 1.0)
+            finite = bool(np.isfinite(norm))
+            clip = _clip.coefficient(self.max_grad_norm, norm) if finite else 1.0
+            applied = (not active or _scaling.decide(
+                self.scaler, self._grads(), self.fused, lambda grads, fused: finite)) and finite
+            if not finite and not active:
+                warnings.warn('LossScaling: the gradient norm is not finite; the update was '
+                              'skipped', RuntimeWarning)
+        else:
+            applied = not active or _scaling.decide(self.scaler, self._grads(), self.fused)
         if active and applied:
             self._overflow.finite()
         elif active:
@@ -199,10 +233,23 @@ class LossScaling(overflow.OverflowViews):
                                else [1.0] * len(self.trainers)):
                 # after unscale() the gradients hold the mean over workers: the update's
                 # rescale_grad (Trainer scale / batch) takes the factor back
-                t.update(batch_size / unscale * mean, ignore_stale_grad)
+                t.update(batch_size / unscale * mean / clip, ignore_stale_grad)
         self.last_step_skipped = not applied
         self._reduced = self._unscaled = False
         return applied
+
+    def _measure(self, batch_size: int, scale: float) -> float:
+        """The global norm of what `step` would apply (each parameter's first device copy:
+        after the reduction they are equal), kept in ``last_grad_norm``; one host read."""
+        if self._unscaled:          # gradients / scale * mean: the update divides by mean
+            factors = [_compat.trainer_scale(t) / (batch_size * mean)
+                       for t, mean in zip(self.trainers, cast(List[float], self._means))]
+        else:
+            factors = [_compat.trainer_scale(t) / (batch_size * scale) for t in self.trainers]
+        groups = [([_compat.legacy(p.list_grad()[0]) for p in self._params([t])], f)
+                  for t, f in zip(self.trainers, factors)]
+        self.last_grad_norm = _clip.norm_of([g for g in groups if g[0]])
+        return float(self.last_grad_norm.asscalar())
 
     def _workers(self) -> Tuple[Optional[int], int]:
         return overflow.step_worker(self.trainers[0])
@@ -214,3 +261,17 @@ class LossScaling(overflow.OverflowViews):
             scaler=self.scaler, scale=scale, named_grads=named,
             optimizer=self.trainers[0].optimizer, trainer=self.trainers[0],
             local_flags=None if self._local_flag is None else {0: self._local_flag})
+
+
+def _refuse_double_clipping(optimizer: mx.optimizer.Optimizer) -> None:
+    """max_grad_norm on the hook: not with an optimizer that clips or accumulates itself."""
+    if getattr(optimizer, 'max_grad_norm', None):
+        raise ValueError('LossScaling(max_grad_norm=...): the optimizer %s already clips '
+                         '(max_grad_norm=%r); use one of the two, not both'
+                         % (type(optimizer).__name__, optimizer.max_grad_norm))
+    if getattr(optimizer, 'batch_scale', 1) > 1:
+        raise ValueError('LossScaling(max_grad_norm=...): the optimizer %s accumulates '
+                         'batch_scale=%d micro-batches itself, so each step() of the hook is '
+                         "one micro-batch; pass max_grad_norm to the optimizer, which clips "
+                         "the window's mean" % (type(optimizer).__name__,
+                                                optimizer.batch_scale))

@@ -1,8 +1,11 @@
 """The update pipeline: the optimizer shell (`PipelineOptimizer`) over its pieces, each with
-one job: accumulation (`window`), warmup (`warmup`), the trust ratio (`trust_ratio`) and the
-step protocol with a gluon Trainer (`binding`)."""
+one job: accumulation (`window`), global-norm clipping (`clip`), warmup (`warmup`), the
+trust ratio (`trust_ratio`), running a step's calls (`apply`) and the step protocol with a
+gluon Trainer (`binding`)."""
+from .clip import CLIP_EPS, GlobalNormClip
 from .shell import PipelineOptimizer
 from .trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
 from .warmup import Warmup
 
-__all__ = ['PipelineOptimizer', 'TrustRatio', 'DEFAULT_LARS_EXCLUDE', 'Warmup']
+__all__ = ['PipelineOptimizer', 'TrustRatio', 'DEFAULT_LARS_EXCLUDE', 'Warmup', 'GlobalNormClip',
+           'CLIP_EPS']

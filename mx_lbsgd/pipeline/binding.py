@@ -133,8 +133,11 @@ class TrainerBinding:
                 opt.refuse_updates_on_kvstore()
             fresh = (_compat.fresh_gradients(opt.param_dict)
                      if opt.wants_step_gradients() else None)
+            # a sharded Trainer's sum of squares over every rank's shard
+            sum_sq = getattr(trainer, 'step_sum_of_squares', lambda: None)()
             opt.begin_step(fresh, self._closes, trainer=trainer,
-                           local_flags=None if self._closes is False else self._flags)
+                           local_flags=None if self._closes is False else self._flags,
+                           sum_sq=None if self._closes is False else sum_sq)
         if self._closes is not False:
             self._flags = None
         self._closes = None
@@ -149,6 +152,8 @@ class TrainerBinding:
         used: Dict[int, Tuple[Any, Optional[mx.nd.NDArray]]] = {}
         missed = False
         updaters = _compat.trainer_updaters(trainer)
+        # a sharded Trainer keeps the accumulators of the parameters it does not own
+        own_accumulator = getattr(trainer, 'window_accumulator', None)
         for i, param in enumerate(_compat.trainer_params(trainer)):
             if param.grad_req == 'null':
                 continue
@@ -156,6 +161,10 @@ class TrainerBinding:
                 if not _compat.is_fresh(weight):
                     continue
                 weight, grad = _compat.legacy(weight), _compat.legacy(grad)
+                if own_accumulator is not None:
+                    grads.append(grad)
+                    accs.append(own_accumulator(i, weight))
+                    continue
                 state = _compat.updater_state(updater, i, weight)
                 cached = self._accs.get(id(state))
                 if cached is None or cached[0] is not state:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 from mxnet import nd
 
 from .. import _kernels
-from ..families.base import Kernel, KernelFamily, Masters, SparseKernelFamily
+from ..families.base import GradNorm, Kernel, KernelFamily, Masters, SparseKernelFamily
 from .state import StateParts
 from .trust_ratio import TrustRatio
 
@@ -32,6 +32,7 @@ class Route:
     masters: Masters
     keep_lr: Optional[List[bool]]          # True: the layer keeps lr (no trust ratio)
     ratio_applies: Optional[List[bool]]    # not keep_lr, for families with the ratio inside
+    native: bool                           # the family's compiled kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,12 @@ class Plan:
     keep_lr: Optional[List[bool]]     # trust-ratio exclusions (None: no trust ratio)
     lars: bool                        # whether the shell computes a trust-ratio lr vector
     routes: List[Route]
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether every tensor goes to a compiled kernel, which skips the update on the
+        device when a clipping norm is not finite (MXNet's operators cannot)."""
+        return not self.sparse and all(r.native for r in self.routes)
 
     def fits(self, state: Sequence[Any]) -> bool:
         """Whether the Updater still holds the state objects this plan was made for."""
@@ -64,8 +71,9 @@ def make_plan(*, family: KernelFamily, trust: Optional[TrustRatio], fused: Optio
         raise ValueError(family.sparse_refusal([labels[j] for j in sparse]))
     masters = [p.master for p in parts]
     keep = None if trust is None else [not trust.applies(n) for n in names]
-    routes = [_route(kernel, pos, parts, keep)
-              for kernel, pos in _kernel_groups(family, fused, weight, masters, sparse) if pos]
+    routes = [_route(kernel, pos, parts, keep, native)
+              for kernel, pos, native in _kernel_groups(family, fused, weight, masters, sparse)
+              if pos]
     return Plan(state=list(state), states=[p.family_state for p in parts], masters=masters,
                 accs=[p.accumulator for p in parts], sparse=sparse, keep_lr=keep,
                 # the trust ratio as the shell's lr vector (LARS), unless every layer is
@@ -76,31 +84,31 @@ def make_plan(*, family: KernelFamily, trust: Optional[TrustRatio], fused: Optio
 
 def _kernel_groups(family: KernelFamily, fused: Optional[bool],
                    weight: Sequence[nd.NDArray], masters: Masters,
-                   sparse: List[int]) -> List[Tuple[Kernel, List[int]]]:
-    """(kernel, positions) for the dense tensors, by (dtype, master copy) group."""
+                   sparse: List[int]) -> List[Tuple[Kernel, List[int], bool]]:
+    """(kernel, positions, native) for the dense tensors, by (dtype, master copy) group."""
     groups: Dict[Tuple[Any, bool], List[int]] = {}
     for j in range(len(weight)):
         if j not in sparse:
             groups.setdefault((weight[j].dtype, masters[j] is None), []).append(j)
     device_type = weight[0].context.device_type
-    out: List[Tuple[Kernel, List[int]]] = []
+    out: List[Tuple[Kernel, List[int], bool]] = []
     for (dtype, no_master), members in groups.items():
         native = (None if fused is not None
                   else family.native_kernel(device_type, dtype, not no_master))
         if native is not None:      # the family's compiled kernel takes the whole group
-            out.append((native, members))
+            out.append((native, members, True))
             continue
         single, multi = _kernels.route([weight[j].size for j in members], device_type,
                                        fused, dtype)
-        out += [(family.single_tensor, [members[p] for p in single]),
-                (family.multi_tensor, [members[p] for p in multi])]
+        out += [(family.single_tensor, [members[p] for p in single], False),
+                (family.multi_tensor, [members[p] for p in multi], False)]
     return out
 
 
 def _route(kernel: Kernel, pos: List[int], parts: List[StateParts],
-           keep: Optional[List[bool]]) -> Route:
+           keep: Optional[List[bool]], native: bool) -> Route:
     return Route(kernel=kernel, positions=pos, states=[parts[j].family_state for j in pos],
-                 masters=[parts[j].master for j in pos],
+                 masters=[parts[j].master for j in pos], native=native,
                  keep_lr=None if keep is None else [keep[j] for j in pos],
                  ratio_applies=None if keep is None else [not keep[j] for j in pos])
 
@@ -108,9 +116,13 @@ def _route(kernel: Kernel, pos: List[int], parts: List[StateParts],
 def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
              weight: Sequence[nd.NDArray], grad: Sequence[nd.NDArray], lrs: List[float],
              wds: List[float], steps: List[int], rescale_grad: float,
-             clip_gradient: Optional[float], scratch: dict) -> None:
+             clip_gradient: Optional[float], scratch: dict,
+             grad_norm: Optional[GradNorm] = None) -> None:
     """Run every route of `plan` (and the sparse tensors one by one), with the trust ratio
-    as an lr vector on the device when the plan says so (`Plan.lars`)."""
+    as an lr vector on the device when the plan says so (`Plan.lars`). With `grad_norm`
+    (global-norm clipping) the gradients are applied times its coefficient: the kernels
+    fold it in, and the trust ratio sees the clipped gradient."""
+    coefficient = None if grad_norm is None or not plan.lars else grad_norm.coefficient()
     for route in plan.routes:
         pos = route.positions
         weights, grads = [weight[j] for j in pos], [grad[j] for j in pos]
@@ -120,12 +132,20 @@ def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
             lr_vector = cast(TrustRatio, trust).lr_vector(
                 weights=[m if m is not None else w for w, m in zip(weights, route.masters)],
                 grads=grads, lrs=route_lrs, wds=route_wds,
-                keep_lr=cast(List[bool], route.keep_lr), rescale_grad=rescale_grad)
+                keep_lr=cast(List[bool], route.keep_lr), rescale_grad=rescale_grad,
+                grad_coefficient=coefficient)
         family.run(route.kernel, weights=weights, grads=grads, states=route.states,
                    masters=route.masters, lrs=route_lrs, wds=route_wds, lr_vector=lr_vector,
                    rescale_grad=rescale_grad, clip_gradient=clip_gradient, scratch=scratch,
-                   steps=[steps[j] for j in pos], ratio_applies=route.ratio_applies)
+                   steps=[steps[j] for j in pos], ratio_applies=route.ratio_applies,
+                   grad_norm=grad_norm)
     if plan.sparse:
+        if grad_norm is not None:
+            scaled = _kernels.scale_gradients([grad[j] for j in plan.sparse],
+                                              grad_norm.coefficient())
+            grad = list(grad)
+            for j, g in zip(plan.sparse, scaled):
+                grad[j] = g
         _run_sparse(plan, family, trust if plan.lars else None, weight, grad, lrs, wds,
                     rescale_grad, clip_gradient)
 

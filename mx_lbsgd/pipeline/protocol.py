@@ -10,16 +10,17 @@ A `LossScaling` hook that skips a step accounts it here (`step_outside`).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, cast
 
 import mxnet as mx
 
 from .. import _compat
 from ..loss_scaling import gate as _scaling
-from . import binding as _binding
+from . import binding as _binding, clip as _clip_piece
 
 if TYPE_CHECKING:
     from ..loss_scaling.scaler import DynamicLossScaler
+    from .clip import GlobalNormClip, StepNorms
     from .progress import SkipLedger
 
 
@@ -33,6 +34,12 @@ class StepProtocol:
     batch_scale: int
     check_local_overflow: bool
     num_update: int
+    _rescale_grad: float
+    _clip: Optional[GlobalNormClip]
+    _norms: Optional[StepNorms]
+    _trainer_norms: bool
+    _step_sum_sq: Optional[mx.nd.NDArray]
+    _gradient_scale: Callable[[], float]
 
     @property
     def last_step_skipped(self) -> bool:
@@ -54,19 +61,37 @@ class StepProtocol:
 
     def begin_step(self, gradients: Optional[Sequence[mx.nd.NDArray]],
                    closes_window: Optional[bool] = None, trainer: Any = None,
-                   local_flags: Optional[Dict[int, mx.nd.NDArray]] = None) -> None:
+                   local_flags: Optional[Dict[int, mx.nd.NDArray]] = None,
+                   sum_sq: Optional[mx.nd.NDArray] = None) -> None:
         """A Trainer step starts. `gradients`: every fresh gradient of the step, on every
         device (the loss-scale gate decides over them at once), or None when this optimizer
         does not want them (`wants_step_gradients`). `closes_window`: None when this
         optimizer accumulates itself; False when the Trainer summed this micro-batch
         locally (count it, apply nothing); True when the Trainer reduced the window's
         mean (apply it as one step). `trainer`: whose rank a report names. `local_flags`:
-        {micro-batch (0: the step): device-side finite flag taken before the reduction}."""
+        {micro-batch (0: the step): device-side finite flag taken before the reduction}.
+
+        With clipping, the norm is measured here when `gradients` are the ones the step
+        applies (reduced, and the window's mean when the Trainer closes a window); with a
+        window inside the optimizer the gate holds the step's calls and it is measured
+        over the accumulators. `sum_sq`: the sum of squares of every rank's reduced
+        gradients (`mx_lbsgd.ShardedTrainer`, whose `gradients` are this rank's shard):
+        then the finite check and the clipping norm use it."""
         self._step_window = closes_window
         self._step_trainer = None if trainer is None else weakref.ref(trainer)
         self._local_flags = local_flags
-        if self.loss_scaler is not None:
-            self._gate.new_step(gradients)
+        applied = closes_window is True or closes_window is None and self.batch_scale == 1
+        self._trainer_norms = self._clip is not None and gradients is not None and applied
+        self._norms = None
+        self._step_sum_sq = sum_sq
+        if self._trainer_norms and gradients:
+            scale = 1.0 if self.loss_scaler is None else self._gradient_scale()
+            clip = cast('GlobalNormClip', self._clip)       # set: _trainer_norms
+            self._norms = (clip.measure(gradients, self.rescale_grad / scale) if sum_sq is None
+                           else clip.from_sum(sum_sq, self.rescale_grad / scale))
+        if self.loss_scaler is not None or self._clip is not None:
+            # a window in the optimizer: the gate holds the whole step for the norm
+            self._gate.new_step(gradients if self._clip is None or applied else None)
 
     def step_outside(self, applied: bool) -> None:
         """A `LossScaling` hook decided a step of its own (this optimizer has no
@@ -88,7 +113,7 @@ class StepProtocol:
 
     def wants_step_gradients(self) -> bool:
         """Whether `begin_step` needs the step's gradients (listing them costs a pass)."""
-        return self.loss_scaler is not None
+        return self.loss_scaler is not None or self._clip is not None
 
     def accumulates_at_trainer(self) -> bool:
         """Whether a Trainer should keep this optimizer's window at its reduction."""
@@ -97,3 +122,5 @@ class StepProtocol:
     def refuse_updates_on_kvstore(self) -> None:
         if self.loss_scaler is not None:
             _scaling.refuse_kvstore_updates(type(self).__name__)
+        if self._clip is not None:
+            _clip_piece.refuse_kvstore_updates(type(self).__name__)

@@ -2,11 +2,11 @@
 
 Every call of the Updater runs::
 
-    gate (loss scaling) -> accumulate -> lr multipliers -> kernel family
-      finite check,        window,        warmup x          native, single-tensor,
-      skip decision,       in the         trust ratio       multi-tensor or sparse
-      1/scale folded       optimizer or   (LARS)            kernels of the preset's
-      into rescale_grad    at a Trainer                     family (`mx_lbsgd.families`)
+    gate (loss scaling) -> accumulate -> clip -> lr multipliers -> kernel family
+      finite check,        window,        global   warmup x          native, single-tensor,
+      skip decision,       in the         norm     trust ratio       multi-tensor or sparse
+      1/scale folded       optimizer or   (device  (LARS)            kernels of the preset's
+      into rescale_grad    at a Trainer   value)                     family
 
 A preset (`LBSGD`, `LossScaledSGD`, `LAMB`) checks its arguments and chooses the pieces: a
 kernel family, a `Warmup`, a `TrustRatio` or None. The shell only orchestrates; each job
@@ -15,6 +15,8 @@ has its piece:
 - `plan`: what a call signature's update does (`Plan`, made once per signature);
 - `state`: the per-parameter state layout (the family's, plus an fp32 accumulator);
 - `window`: accumulation in the optimizer (`InOptimizerWindow`) or at a Trainer;
+- `apply`: a step's calls accumulated, clipped and run through their plans;
+- `clip`: the global norm of the applied gradient (``max_grad_norm``);
 - `progress`: counters, skipped-step accounting and checkpoint progress;
 - `protocol`: the optimizer's side of the step protocol with a gluon Trainer (`binding`);
 - `mx_lbsgd.loss_scaling`: the step gate, the scaler and the overflow reports.
@@ -30,10 +32,11 @@ infers a step from attribute writes); Module and bare Updaters call
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, cast
 
 import numpy as np
 import mxnet as mx
@@ -43,19 +46,18 @@ from .._checks import check_choice, check_int, check_real
 from ..families.base import KernelFamily
 from ..loss_scaling import gate as _scaling, graph as _graph_scale, overflow
 from ..loss_scaling.scaler import DynamicLossScaler
-from . import binding as _binding, progress as _progress, state as _state
-from .plan import Plan, make_plan, run_plan
+from . import binding as _binding, clip as _clip_piece, progress as _progress, state as _state
+from .apply import Call, StepApplier
+from .clip import ClipViews, GlobalNormClip, StepNorms
+from .plan import Plan, make_plan
 from .protocol import StepProtocol
 from .trust_ratio import TrustRatio
 from .warmup import Warmup
 from .window import InOptimizerWindow
 
-#: An Updater call: (indices, weights, gradients, states), lists of one length.
-Call = Tuple[List[Any], List[mx.nd.NDArray], List[mx.nd.NDArray], List[Any]]
 
-
-class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepProtocol,
-                        mx.optimizer.Optimizer):
+class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressViews,
+                        ClipViews, StepProtocol, mx.optimizer.Optimizer):
     """Base of mx_lbsgd's optimizers; see the module docstring. Subclasses set
     ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`."""
 
@@ -66,7 +68,8 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
     #: attributes that are rebuilt, never pickled
     _TRANSIENT = ('_scratch', '_plans', '_gate', '_ledger', '_family', '_warmup', '_trust',
                   '_accumulator', '_step_window', '_overflow', '_step_trainer', '_local_flags',
-                  '_module_worker')
+                  '_module_worker', '_clip', '_norms', '_trainer_norms', '_last_norms',
+                  '_step_sum_sq')
 
     _family: KernelFamily
     _gate: _scaling.StepGate[Call]
@@ -78,8 +81,11 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
                  scale_key: str, multi_precision: bool,
                  overflow_history_size: int = overflow.HISTORY_SIZE,
                  overflow_log_interval: float = overflow.LOG_INTERVAL,
-                 check_local_overflow: bool = False, **kwargs: Any) -> None:
+                 check_local_overflow: bool = False,
+                 max_grad_norm: Optional[float] = None, **kwargs: Any) -> None:
         check_choice('fused', fused, (None, True, False))
+        if max_grad_norm is not None:
+            check_real('max_grad_norm', max_grad_norm, 0.0)
         check_int('overflow_history_size', overflow_history_size, 0)
         check_real('overflow_log_interval', overflow_log_interval, 0.0, allow_inf=True)
         check_choice('check_local_overflow', check_local_overflow, (False, True))
@@ -87,8 +93,11 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
         for name in ('rescale_grad', 'clip_gradient'):
             if kwargs.get(name) is not None:
                 check_real(name, kwargs[name])
-        if loss_scaler is not None and _compat.creating_module_updates_on_kvstore():
-            _scaling.refuse_kvstore_updates(type(self).__name__)
+        if _compat.creating_module_updates_on_kvstore():
+            if loss_scaler is not None:
+                _scaling.refuse_kvstore_updates(type(self).__name__)
+            if max_grad_norm:
+                _clip_piece.refuse_kvstore_updates(type(self).__name__)
         super().__init__(multi_precision=multi_precision, **kwargs)
         self.batch_scale = int(batch_scale)
         self.fused = _fused_from_env(fused)
@@ -98,6 +107,7 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
         self.overflow_history_size = int(overflow_history_size)
         self.overflow_log_interval = float(overflow_log_interval)
         self.check_local_overflow = bool(check_local_overflow)
+        self.max_grad_norm = float(max_grad_norm) if max_grad_norm else None
         self._module_worker = _compat.creating_module_worker()
         # the Updater hands over every parameter of a dtype at once; kernels chunk by 60
         self.aggregate_num = 1 << 30
@@ -107,7 +117,13 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
     def _build_pieces(self) -> None:
         self._scratch: Dict[Any, Any] = {}
         self._plans: Dict[Any, Plan] = {}
-        self._gate = _scaling.StepGate(self.fused)
+        self.__dict__.setdefault('max_grad_norm', None)    # pickled before it existed
+        self._clip = GlobalNormClip(self.max_grad_norm) if self.max_grad_norm else None
+        self._norms: Optional[StepNorms] = None   # this step's, by context
+        self._trainer_norms = False               # measured by begin_step (a Trainer)
+        self._last_norms: Optional[StepNorms] = None
+        self._step_sum_sq: Optional[mx.nd.NDArray] = None
+        self._gate = _scaling.StepGate(self.fused, check=self._finite_check)
         self._ledger = _progress.SkipLedger(self.count_skipped_steps)
         # pickled as plain values
         self._ledger.skipped_updates = self.__dict__.pop('_skipped_updates', 0)
@@ -179,34 +195,50 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
             self._update_count(index)      # summed at the Trainer; nothing to apply yet
             self._ledger.last_step_skipped = False
             return
-        if self.loss_scaler is None:
-            self._apply(index, weight, grad, state, unscale=1.0)
+        if self.loss_scaler is None and (self._clip is None or self._trainer_norms):
+            self._apply_step([(index, weight, grad, state)], unscale=1.0)
             return
         if isinstance(index[0], str):     # Module's kvstore updater passes parameter names
-            _scaling.refuse_kvstore_updates(type(self).__name__)
-        self._gated_update((index, weight, grad, state))
+            self.refuse_updates_on_kvstore()
+        # without a loss scaler: the gate only holds the step's calls, so that clipping
+        # measures the norm over all of them (a disabled scaler never skips)
+        self._gated_update((index, weight, grad, state), self.loss_scaler or _HOLD_ONLY)
 
-    def _gated_update(self, call: Call) -> None:
+    def _gated_update(self, call: Call, scaler: DynamicLossScaler) -> None:
         """Run a call through the loss-scale gate: the step's calls run when it is decided,
-        applied or skipped as a whole. (Only with a loss_scaler.)"""
+        applied or skipped as a whole."""
         index, weight, grad, _ = call
         runs = self._gate.submit([(w.context, i) for i, w in zip(index, weight)], grad,
-                                 call, cast(DynamicLossScaler, self.loss_scaler),
-                                 self._gradient_scale())
+                                 call, scaler,
+                                 1.0 if self.loss_scaler is None else self._gradient_scale())
         window = self.batch_scale if self._step_window else 1
         decision = self._gate.take_decision()
         if decision is not None:
             self._report(*decision)
         for held, apply_ in runs:
             self._ledger.last_step_skipped = not apply_
-            if apply_:
-                self._apply(*held, unscale=_scaling.unscale_factor(self._gate.loss_scale))
-            elif window > 1:
+            if not apply_ and window > 1:
                 _progress.rewind(self, held[0], window - 1)
+        self._apply_step([held for held, apply_ in runs if apply_],
+                         unscale=_scaling.unscale_factor(self._gate.loss_scale))
         if runs and self._gate.take_skip():
             self.num_update = self._ledger.skipped(
                 self.num_update, 1 if self.counts_applied_updates else window)
-        _graph_scale.serve(self.scale_key, cast(DynamicLossScaler, self.loss_scaler))
+        if self.loss_scaler is not None:
+            _graph_scale.serve(self.scale_key, self.loss_scaler)
+
+    def _finite_check(self, grads: Sequence[mx.nd.NDArray], fused: Optional[bool]) -> bool:
+        """The gate's finite check. With clipping, when the gradients checked are the ones
+        applied, the norm's sum-of-squares pass is the check (one pass, one host read)."""
+        if self._step_sum_sq is not None:        # a sharded Trainer's, over every rank
+            self._last_norms = self._norms or self._last_norms
+            return math.isfinite(float(self._step_sum_sq.asscalar()))
+        if self._clip is None or not (self.batch_scale == 1 or self._step_window):
+            return _scaling.all_finite(grads, fused)
+        if not self._trainer_norms or self._norms is None:
+            self._norms = self._clip.measure(grads, self.rescale_grad / self._gate.loss_scale)
+        self._last_norms = self._norms
+        return self._clip.all_finite(self._norms)
 
     def _report(self, skipped: bool, grads: Sequence[mx.nd.NDArray],
                 calls: List[Call]) -> None:
@@ -249,30 +281,6 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
         self._plans[key] = plan
         return plan
 
-    def _apply(self, index: List[Any], weight: List[mx.nd.NDArray],
-               grad: List[mx.nd.NDArray], state: List[Any], unscale: float) -> None:
-        """Count the micro-batch, accumulate it, and on a window's last one update with
-        ``rescale_grad`` = the Trainer's rescale_grad x `unscale` (1 / loss scale) for one
-        micro-batch, 1 / batch_scale for an accumulated window."""
-        self._update_count(index)
-        plan = self._plan(index, weight, grad, state)
-        _, counts = _compat.update_counts(self)
-        positions = [counts[i] - self.begin_num_update for i in index]
-        rescale_grad = self.rescale_grad * unscale
-        if self.batch_scale > 1 and self._step_window is None:
-            window = self._accumulator.add(accs=plan.accs, grads=grad, positions=positions,
-                                           rescale_grad=rescale_grad, sparse=plan.sparse,
-                                           scratch=self._scratch)
-            if window is None:
-                return
-            grad, rescale_grad = window
-        lrs = self._warmup.scale_lrs(self._get_lrs(index), positions)
-        wds = self._get_wds(index)
-        steps = [k // self.batch_scale for k in positions]     # this update's number t
-        run_plan(plan, family=self._family, trust=self._trust, weight=weight, grad=grad,
-                 lrs=lrs, wds=wds, steps=steps, rescale_grad=rescale_grad,
-                 clip_gradient=self.clip_gradient, scratch=self._scratch)
-
     # -- pickling (Trainer.save_states, kvstore servers, copies) --------------------------
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
@@ -293,12 +301,16 @@ class PipelineOptimizer(overflow.OverflowViews, _progress.ProgressViews, StepPro
     def __reduce_ex__(self, protocol: Any) -> Any:
         # kvstore.set_optimizer pickles with protocol 0 to send the optimizer to the
         # servers of a dist kvstore, which then update key by key.
-        if protocol == 0 and self.loss_scaler is not None:
-            _scaling.refuse_kvstore_updates(type(self).__name__)
+        if protocol == 0:
+            self.refuse_updates_on_kvstore()
         if protocol == 0:
             kind, names = _compat.module_sparse_gradients_on_dist_kvstore()
             _binding.refuse_sparse_gradients_on_servers(names, kind, type(self).__name__)
         return super().__reduce_ex__(protocol)
+
+
+#: the gate's scaler when there is no loss scaler: it never checks, never skips
+_HOLD_ONLY = DynamicLossScaler(enabled=False)
 
 
 def _check_lr_wd(kwargs: Dict[str, Any]) -> None:

@@ -51,12 +51,14 @@ class TrustRatio:
 
     def lr_vector(self, *, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
                   lrs: Sequence[float], wds: Sequence[float], keep_lr: Sequence[bool],
-                  rescale_grad: float) -> nd.NDArray:
-        """lrs times the ratios, a float32 vector on the device (see the module docstring)."""
+                  rescale_grad: float,
+                  grad_coefficient: Optional[nd.NDArray] = None) -> nd.NDArray:
+        """lrs times the ratios, a float32 vector on the device (see the module docstring);
+        with `grad_coefficient` (a global-norm clip) the ratio sees the clipped gradient."""
         return _kernels.lars_lrs(weights=weights, grads=grads, lrs=lrs, wds=wds,
                                  keep_lr=keep_lr, eta=self.eta, eps=self.eps,
                                  rescale_grad=rescale_grad, lars_min=self.lars_min,
-                                 lars_max=self.lars_max)
+                                 lars_max=self.lars_max, grad_coefficient=grad_coefficient)
 
     def sparse_factor(self, *, weight: nd.NDArray, grad: nd.NDArray, wd: float,
                       rescale_grad: float) -> float:

@@ -1,0 +1,423 @@
+"""`ShardedTrainer`: optimizer state sharded over Horovod ranks (ZeRO-1), whole tensors.
+
+Each rank owns whole parameters (`Partition`: balanced by bytes, largest first), keeps the
+optimizer state (fp32 master copies, moments, momentum) of those only, and updates only
+those, so a trust ratio (LARS, LAMB) always sees a whole layer. Once per update::
+
+    reduce:  every rank sends each owner the gradients it owns (one alltoall per dtype,
+             segments of uneven size: no padding), the owner sums what it receives
+    norm:    with a loss scaler or clipping, one allreduce of a (1,) sum of squares over
+             the owned gradients: the global finite check and the clipping norm
+    update:  each owner runs the optimizer (every kernel family, the loss-scale gate,
+             clipping, the window) on its parameters
+    gather:  each owner broadcasts its updated weights (one broadcast per rank and dtype)
+
+Bytes on the wire per update, summed over ranks: (N - 1) x the gradients for the alltoall
+and (N - 1) x the weights for the broadcasts, which is what a ring allreduce of the
+gradients moves (2 (N - 1) / N x the gradients per rank): `exchange_bytes` reports them.
+Horovod 0.28.1's MXNet ``alltoall`` returns an array whose size the engine learns while it
+runs, so it waits for its result (one wait per update and dtype); the broadcasts and the
+allreduce are asynchronous.
+
+With ``batch_scale > 1`` each rank sums its own micro-batches locally (fp32 accumulators
+for every parameter, ``accumulator_bytes``), and the window's mean is reduced once.
+`save_states` writes one consolidated file on rank 0, in `mx_lbsgd.checkpoint`'s format,
+which an unsharded Trainer, a single process or a ShardedTrainer at any world size loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import mxnet as mx
+from mxnet import nd
+
+from .. import _compat, _kernels, checkpoint
+
+__all__ = ['ShardedTrainer', 'Partition', 'partition']
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """Which rank owns which parameter (trainer index -> rank; -1: not trained)."""
+
+    names: Tuple[str, ...]
+    owners: Tuple[int, ...]
+    nbytes: Tuple[int, ...]
+    size: int
+
+    def owned(self, rank: int) -> List[int]:
+        """The trainer indices of the parameters `rank` owns, in order."""
+        return [i for i, r in enumerate(self.owners) if r == rank]
+
+    def bytes_per_rank(self) -> List[int]:
+        """Bytes of the weights each rank owns."""
+        out = [0] * self.size
+        for r, b in zip(self.owners, self.nbytes):
+            if r >= 0:
+                out[r] += b
+        return out
+
+    def by_name(self) -> Dict[str, int]:
+        """{parameter name: owning rank} (trained parameters only)."""
+        return {n: r for n, r in zip(self.names, self.owners) if r >= 0}
+
+
+def partition(names: Sequence[str], nbytes: Sequence[int], trained: Sequence[bool],
+              size: int) -> Partition:
+    """Whole tensors to `size` ranks by bytes: largest first, each to the rank with the
+    fewest bytes so far (ties: the lower rank); the same on every rank."""
+    loads = [0] * size
+    owners = [-1] * len(names)
+    for i in sorted((i for i in range(len(names)) if trained[i]), key=lambda i: -nbytes[i]):
+        r = min(range(size), key=lambda k: (loads[k], k))
+        owners[i] = r
+        loads[r] += nbytes[i]
+    return Partition(tuple(names), tuple(owners), tuple(int(b) for b in nbytes), size)
+
+
+def _horovod() -> Any:
+    try:
+        import horovod.mxnet as hvd
+    except ImportError as err:
+        raise RuntimeError('ShardedTrainer needs horovod built with MXNet support (%s): '
+                           'scripts/install_horovod.sh' % err) from None
+    if not hvd.is_initialized():
+        raise RuntimeError('ShardedTrainer: horovod is not initialized; call hvd.init() '
+                           'first (and run under horovodrun)')
+    return hvd
+
+
+@dataclasses.dataclass
+class _Layout:
+    """The flat buffers of one dtype: parameters in owner order, one segment per rank."""
+
+    dtype: Any
+    order: List[int]                  # trainer indices, owner-ordered
+    spans: Dict[int, Tuple[int, int]]  # index -> (start, end) in its owner's segment
+    offsets: Dict[int, Tuple[int, int]]  # index -> (start, end) in `send`
+    sizes: List[int]                  # elements per rank's segment
+    send: nd.NDArray                  # every gradient of this dtype, owner-ordered
+    segments: List[nd.NDArray]        # per rank: its weights (broadcast from it)
+    splits: nd.NDArray                # int32 sizes, for alltoall
+
+
+def _layouts(params: Sequence[Any], part: Partition, size: int) -> List[_Layout]:
+    """The flat buffers of each dtype, parameters in owner order."""
+    by_dtype: Dict[Any, List[int]] = {}
+    for i in sorted((i for i, r in enumerate(part.owners) if r >= 0),
+                    key=lambda i: (part.owners[i], i)):
+        by_dtype.setdefault(np.dtype(params[i].dtype), []).append(i)
+    ctx = params[0].list_ctx()[0]
+    out = []
+    for dtype, order in by_dtype.items():
+        sizes, spans, offsets, at = [0] * size, {}, {}, 0
+        for i in order:
+            r, n = part.owners[i], int(np.prod(params[i].shape))
+            spans[i] = (sizes[r], sizes[r] + n)
+            offsets[i] = (at, at + n)
+            sizes[r] += n
+            at += n
+        out.append(_Layout(
+            dtype=dtype, order=order, spans=spans, offsets=offsets, sizes=sizes,
+            send=nd.zeros((sum(sizes),), ctx=ctx, dtype=dtype),
+            segments=[nd.zeros((max(n, 1),), ctx=ctx, dtype=dtype) for n in sizes],
+            splits=nd.array(sizes, ctx=mx.cpu(), dtype='int32')))
+    return out
+
+
+class ShardedTrainer(mx.gluon.Trainer):
+    """A gluon Trainer that shards the optimizer state over Horovod ranks (see the module
+    docstring). Use it where you would write ``hvd.DistributedTrainer``, after
+    ``hvd.init()`` and ``hvd.broadcast_parameters``::
+
+        trainer = mx_lbsgd.ShardedTrainer(net.collect_params(), 'lblamb', dict(
+            learning_rate=1e-3, batch_scale=8, multi_precision=True, max_grad_norm=1.0,
+            loss_scaler=mx_lbsgd.DynamicLossScaler()))
+        trainer.step(batch_size)              # per-rank batch, as DistributedTrainer
+
+    The gradients are summed over ranks and ``rescale_grad`` carries 1 / size, as
+    Horovod's DistributedTrainer does on CPU, so the updates equal its updates. One
+    context per rank; dense gradients only.
+    """
+
+    def __init__(self, params: Any, optimizer: Any,
+                 optimizer_params: Optional[Dict[str, Any]] = None,
+                 prefix: str = 'sharded') -> None:
+        hvd = _horovod()
+        super().__init__(params, optimizer, optimizer_params, kvstore=None,
+                         update_on_kvstore=False)
+        self._hvd = hvd
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self._scale /= self.size
+        self._prefix = prefix
+        sparse = [p.name for p in self._params if p.grad_req != 'null'
+                  and p._grad_stype != 'default']
+        if sparse:
+            raise ValueError('ShardedTrainer: parameter(s) %s have sparse gradients; the '
+                             'sharded exchange takes dense gradients only (use '
+                             'hvd.DistributedTrainer for them)' % ', '.join(map(repr, sparse)))
+        trained = sum(p.grad_req != 'null' for p in self._params)
+        if trained < self.size:
+            raise ValueError('ShardedTrainer: %d trained parameters for %d ranks; every rank '
+                             'must own at least one' % (trained, self.size))
+        self._partition: Optional[Partition] = None
+        self._layouts: List[_Layout] = []
+        self._accs: Dict[int, nd.NDArray] = {}
+        self._sum_sq: Optional[nd.NDArray] = None
+        self._checked = False
+        if all(p._data is not None for p in self._params):
+            self._check_same_everywhere()
+
+    # -- the partition ----------------------------------------------------------------
+    @property
+    def partition(self) -> Partition:
+        """Which rank owns which parameter (the parameters must be initialized)."""
+        if self._partition is None:
+            names = [p.name for p in self._params]
+            for p in self._params:
+                if any(d == 0 for d in p.shape):
+                    raise RuntimeError('ShardedTrainer: parameter %r has an unknown shape %s;'
+                                       ' run a forward pass first' % (p.name, p.shape))
+            self._partition = partition(
+                names, [int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
+                        for p in self._params],
+                [p.grad_req != 'null' for p in self._params], self.size)
+        return self._partition
+
+    def _owned(self) -> List[int]:
+        return self.partition.owned(self.rank)
+
+    def _check_same_everywhere(self) -> None:
+        """Once: every rank holds the same initial parameters (a digest per parameter,
+        allgathered and compared)."""
+        digest = nd.concat(*[nd.sum(nd.abs(p.list_data()[0].astype('float64'))).reshape((1,))
+                             for p in self._params], dim=0).reshape((1, -1))
+        everyone = self._hvd.allgather(digest, name='%s.check' % self._prefix).asnumpy()
+        for k, p in enumerate(self._params):
+            if not np.all(everyone[:, k] == everyone[0, k]):
+                raise ValueError(
+                    'ShardedTrainer: parameter %r differs across ranks (sum of |w| per rank: '
+                    '%s); broadcast the parameters first: hvd.broadcast_parameters('
+                    'params, root_rank=0)' % (p.name, everyone[:, k].tolist()))
+        self._checked = True
+
+    def _prepare(self) -> None:
+        if not self._checked:
+            self._check_same_everywhere()
+        if self._layouts or self.size == 1:
+            return
+        for p in self._params:
+            if len(p.list_ctx()) != 1:
+                raise ValueError('ShardedTrainer: parameter %r lives on %d contexts; use one '
+                                 'context per rank' % (p.name, len(p.list_ctx())))
+        self._layouts = _layouts(self._params, self.partition, self.size)
+        for layout in self._layouts:      # every weight and gradient a view of the buffers
+            for i in layout.order:
+                param, (a, b) = self._params[i], layout.offsets[i]
+                owner, (c, d) = self.partition.owners[i], layout.spans[i]
+                _compat.rebind_parameter(
+                    param, layout.segments[owner][c:d].reshape(param.shape),
+                    layout.send[a:b].reshape(param.shape))
+
+    # -- the exchange -----------------------------------------------------------------
+    def _allreduce_grads(self) -> None:
+        self._prepare()
+        self._sum_sq = None
+        if self.size == 1:
+            return
+        owned = set(self._owned())
+        for k, layout in enumerate(self._layouts):
+            # the gradients are views of `send`: nothing to copy in
+            grads = [_compat.legacy(self._params[i].list_grad()[0]) for i in layout.order]
+            received, _ = self._hvd.alltoall(layout.send, splits=layout.splits,
+                                             name='%s.grad.%d' % (self._prefix, k))
+            rows = [received[r * layout.sizes[self.rank]:(r + 1) * layout.sizes[self.rank]]
+                    for r in range(self.size)]
+            for i, g in zip(layout.order, grads):
+                if i in owned:          # the sum over the ranks, written into the gradient
+                    a, b = layout.spans[i]
+                    nd.add_n(*[row[a:b].reshape(g.shape) for row in rows], out=g)
+        for i, p in enumerate(self._params):
+            if i not in owned and p._data is not None:
+                for d in p._data:
+                    d._fresh_grad = False        # reduced by its owner: nothing to update
+        opt = self._optimizer
+        if getattr(opt, 'wants_step_gradients', lambda: False)():
+            local = _kernels.total_sum_squares(
+                [_compat.legacy(self._params[i].list_grad()[0]) for i in sorted(owned)])
+            self._sum_sq = self._hvd.allreduce(local, average=False,
+                                               name='%s.sumsq' % self._prefix)
+
+    def step_sum_of_squares(self) -> Optional[nd.NDArray]:
+        """The sum of squares of this step's reduced gradients over every rank's shard (a
+        (1,) device array), or None when the optimizer does not need it."""
+        return self._sum_sq
+
+    def _update(self, ignore_stale_grad: bool = False) -> None:
+        owned = set(self._owned()) if self.size > 1 else None
+        updates = []
+        for i, param in enumerate(self._params):
+            if param.grad_req == 'null':
+                continue
+            data = param.list_data()[0]
+            if owned is not None and i not in owned:
+                data._fresh_grad = False
+                continue
+            if not data._fresh_grad and not ignore_stale_grad:
+                raise UserWarning('Gradient of Parameter `%s` on context %s has not been '
+                                  'updated by backward since last `step`' % (
+                                      param.name, data.context))
+            if data._fresh_grad or not ignore_stale_grad:
+                updates.append((i, _compat.legacy(param.list_grad()[0]), _compat.legacy(data)))
+                data._fresh_grad = False
+        before = getattr(self._optimizer, 'applied_updates', None)
+        if updates:
+            index, grads, weights = zip(*updates)
+            self._updaters[0](index, grads, weights)
+        after = getattr(self._optimizer, 'applied_updates', None)
+        if self.size > 1 and (before is None or after != before):
+            self._gather_weights()
+
+    def _gather_weights(self) -> None:
+        # the weights are views of the segments: each owner's broadcast lands in place
+        for k, layout in enumerate(self._layouts):
+            for r in range(self.size):
+                if layout.sizes[r]:
+                    self._hvd.broadcast_(layout.segments[r], root_rank=r,
+                                         name='%s.weight.%d.%d' % (self._prefix, k, r))
+
+    def exchange_bytes(self) -> Dict[str, int]:
+        """Bytes this rank sends per update: ``reduce`` (the alltoall), ``gather`` (its
+        broadcasts, to each other rank), ``norm`` (the sum of squares), and
+        ``ring_allreduce`` (what a ring allreduce of the gradients sends per rank)."""
+        self._prepare()
+        n = self.size
+        reduce_ = gather = total = 0
+        for layout in self._layouts:
+            item = np.dtype(layout.dtype).itemsize
+            total += sum(layout.sizes) * item
+            reduce_ += (sum(layout.sizes) - layout.sizes[self.rank]) * item
+            gather += layout.sizes[self.rank] * item * (n - 1)
+        return {'reduce': reduce_, 'gather': gather, 'norm': 4 if n > 1 else 0,
+                'ring_allreduce': int(2 * (n - 1) * total / n)}
+
+    # -- windows, memory --------------------------------------------------------------
+    def window_accumulator(self, index: int, weight: nd.NDArray) -> Optional[nd.NDArray]:
+        """The fp32 accumulator of parameter `index` for a window at this Trainer: the
+        optimizer state's for an owned parameter, one of this Trainer's otherwise (each
+        rank sums its own micro-batches of every parameter before the one exchange)."""
+        if self.size == 1 or index in set(self._owned()):
+            state = _compat.updater_state(self._updaters[0], index, weight)
+            return self._optimizer.split_state(weight, state)[2]
+        acc = self._accs.get(index)
+        if acc is None:
+            acc = self._accs[index] = nd.zeros(weight.shape, weight.context, dtype='float32')
+        return acc
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: fp32 master copies, moments and
+        momentum of the parameters it owns (the window's accumulators are apart)."""
+        total = 0
+        split = getattr(self._optimizer, 'split_state', None)
+        for i, state in self._updaters[0].states.items():
+            weight = self._params[i].list_data()[0]
+            if split is not None:
+                family, master, _ = split(weight, state)
+                state = (family, master)
+            total += sum(a.size * np.dtype(a.dtype).itemsize for a in _arrays(state))
+        return total
+
+    def accumulator_bytes(self) -> int:
+        """Bytes of the window's fp32 accumulators on this rank (every parameter's: each
+        rank sums its own micro-batches before the one exchange)."""
+        total = sum(a.size * 4 for a in self._accs.values())
+        split = getattr(self._optimizer, 'split_state', None)
+        if split is not None:
+            for i, state in self._updaters[0].states.items():
+                acc = split(self._params[i].list_data()[0], state)[2]
+                total += 0 if acc is None else acc.size * 4
+        return total
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save_states(self, fname: str) -> None:
+        """Write one consolidated states file on rank 0 (`mx_lbsgd.checkpoint`'s format:
+        atomic, checksummed, loaded without running code), which any world size, an
+        unsharded Trainer or a single process loads. Every rank must call it. Refused
+        inside an accumulation window (each rank then holds its own partial sums)."""
+        opt = self._optimizer
+        position = getattr(opt, 'window_position', 0)
+        if position:
+            raise ValueError('ShardedTrainer.save_states: %d micro-batches of an '
+                             'accumulation window (batch_scale=%d) are summed on each rank; '
+                             'save at a window boundary' % (position, opt.batch_scale))
+        updater = self._updaters[0]
+        mine = updater.states
+        full = _gather_states(self, updater, opt)
+        trained = [i for i, p in enumerate(self._params) if p.grad_req != 'null']
+        counts = _fill_counts(opt, trained)
+        try:
+            updater.states = full
+            if self.rank == 0:
+                checkpoint.save_states(self, fname)
+        finally:
+            updater.states = mine
+            _compat.set_update_counts(opt, counts)
+        if self.size > 1:         # every rank returns once rank 0 has written the file
+            self._hvd.allreduce(nd.zeros((1,)), name='%s.saved' % self._prefix).asnumpy()
+
+    def load_states(self, fname: str) -> None:
+        """Load a states file of this model (consolidated, unsharded, from any world size)
+        on every rank, keeping the states of the parameters this rank owns."""
+        checkpoint.load_states(self, fname)
+        if self.size > 1:
+            owned = set(self._owned())
+            updater = self._updaters[0]
+            updater.states = {i: s for i, s in updater.states.items() if i in owned}
+            updater.states_synced = dict.fromkeys(updater.states, False)
+
+
+def _gather_states(trainer: ShardedTrainer, updater: Any, opt: Any) -> Dict[int, Any]:
+    """Every parameter's optimizer state on every rank, broadcast from its owner (the
+    owner's state is created first if it has not updated yet)."""
+    full = {}
+    for i, param in enumerate(trainer._params):
+        owner = trainer.partition.owners[i] if trainer.size > 1 else 0
+        if owner < 0:
+            continue
+        weight = _compat.legacy(param.list_data()[0])
+        if owner == trainer.rank:
+            if i not in updater.states:
+                updater.states[i] = opt.create_state_multi_precision(i, weight)
+                updater.states_synced[i] = True
+            state = updater.states[i]
+        else:       # a buffer of the owner's layout, which the broadcast fills
+            state = opt.create_state_multi_precision(i, weight)
+        for n, leaf in enumerate(_arrays(state)):
+            trainer._hvd.broadcast_(leaf, root_rank=owner,
+                                    name='%s.state.%d.%d' % (trainer._prefix, i, n))
+        full[i] = state
+    return full
+
+
+def _arrays(state: Any) -> List[nd.NDArray]:
+    """The arrays of a (nested) state, in order."""
+    if isinstance(state, nd.NDArray):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [a for part in state for a in _arrays(part)]
+    return []
+
+
+def _fill_counts(opt: mx.optimizer.Optimizer, trained: Iterable[int]) -> Dict[int, Dict[Any, int]]:
+    """Give every trained index the micro-batch count of the indices this rank updated
+    (every parameter advances together); returns the counts as they were, to put back."""
+    every, _ = _compat.update_counts(opt)
+    saved = {k: dict(v) for k, v in every.items()}
+    for device_counts in every.values():
+        if device_counts:
+            top = max(device_counts.values())
+            for i in trained:
+                device_counts.setdefault(i, top)
+    return saved

@@ -1,0 +1,242 @@
+"""`mx_lbsgd.ShardedTrainer` (optimizer state sharded over Horovod ranks): real horovodrun
+jobs on loopback.
+
+- Equivalence: the final weights equal horovod's DistributedTrainer with the same optimizer
+  to 1e-6 relative (fp32), with accumulation, fp16 master weights, LARS and LAMB trust
+  ratios, an inf on one rank (skipped everywhere, the scale backs off) and clipping; the
+  state a rank holds is at most its share.
+- Checkpoints: one consolidated file that resumes 2 -> 1, 1 -> 2 and 2 -> 4 ranks to the
+  uninterrupted run's weights; a save inside a window is refused.
+- Errors: no hvd.init(), parameters that differ across ranks, sparse gradients, a states
+  file of another model.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.horovod]
+
+pytest.importorskip('horovod.mxnet')
+
+from harness import horovodrun  # noqa: E402
+from test_kvstore import CLIP, SCALED, WARMUP, config  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dist_worker.py')
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), 'horovodrun')
+NOT_WEIGHTS = ('record', 'comm', 'norms')
+
+
+def run_job(cfg, folder, ranks=2, timeout=180):
+    os.makedirs(str(folder), exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        os.path.dirname(os.path.dirname(WORKER)), os.environ.get('PYTHONPATH')])))
+    proc = horovodrun([HOROVODRUN, '--gloo', '-np', str(ranks), '-H', 'localhost:%d' % ranks,
+                       sys.executable, WORKER, json.dumps(cfg), str(folder)],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      timeout=timeout, env=env)
+    return proc.returncode, proc.stdout
+
+
+def load(folder, ranks=2):
+    """(weights, record, norms) of rank 0, after checking every rank holds the same, and
+    every rank's info.json (sharded runs)."""
+    saved = [np.load(str(folder / ('rank%d.npz' % r))) for r in range(ranks)]
+    for name in saved[0].files:
+        for other in saved[1:]:
+            np.testing.assert_array_equal(saved[0][name], other[name], err_msg=name)
+    info = []
+    for r in range(ranks):
+        path = folder / ('rank%d.info.json' % r)
+        info.append(json.loads(path.read_text()) if path.exists() else None)
+    weights = {k: saved[0][k] for k in saved[0].files if k not in NOT_WEIGHTS}
+    return weights, saved[0]['record'], saved[0]['norms'], info
+
+
+def hvd(optimizer, params, **extra):
+    return config('gluon', optimizer, params, kvstore='horovod', **extra)
+
+
+EQUIVALENT = [
+    pytest.param(hvd('lbsgd', dict(warmup_strategy='linear', batch_scale=4, **WARMUP),
+                     steps=8), id='lbsgd-B4'),
+    pytest.param(hvd('lbsgd', dict(warmup_strategy='lars', max_grad_norm=CLIP), steps=5),
+                 id='lars-clip'),
+    pytest.param(hvd('lblamb', dict(learning_rate=0.01, batch_scale=4, trust_exclude=True),
+                     steps=8), id='lamb-B4'),
+    pytest.param(hvd('lblamb', dict(SCALED, learning_rate=0.01, batch_scale=4,
+                                    max_grad_norm=CLIP), steps=12, inject={'5': 1}),
+                 id='lamb-scaled-B4-clip-inf-mid-window'),
+    pytest.param(hvd('lblamb', dict(SCALED, learning_rate=0.01, batch_scale=2,
+                                    multi_precision=True), steps=6, dtype='float16'),
+                 id='lamb-fp16-master-B2'),
+    pytest.param(hvd('lssgd', dict(SCALED, multi_precision=True), steps=5, dtype='float16',
+                     inject={'2': 0}), id='lssgd-fp16-master-inf'),
+]
+
+
+@pytest.mark.parametrize('cfg', EQUIVALENT)
+def test_sharded_equals_distributed_trainer(tmp_path, cfg):
+    code, log = run_job(dict(cfg, sharded=True), tmp_path / 'sharded')
+    assert code == 0, log
+    code, log = run_job(dict(cfg, memory=True), tmp_path / 'plain')
+    assert code == 0, log
+    weights, record, norms, info = load(tmp_path / 'sharded')
+    ref_weights, ref_record, ref_norms, ref_info = load(tmp_path / 'plain')
+    fp16 = cfg.get('dtype') == 'float16'
+    for name, w in ref_weights.items():
+        np.testing.assert_allclose(weights[name], w, rtol=1e-3 if fp16 else 1e-6,
+                                   atol=1e-3 if fp16 else 1e-7, err_msg=name)
+    np.testing.assert_array_equal(record, ref_record)        # scales and skips
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
+    if cfg.get('inject'):
+        assert record[:, 1].sum() == len(cfg['inject'])
+    # every parameter owned by one rank; each rank holds the state of its own only
+    owners = info[0]['partition']
+    assert sorted(set(owners.values())) == [0, 1]
+    unsharded = ref_info[0]['state_bytes'][0]
+    sizes = [int(np.prod(w.shape)) for w in ref_weights.values()]
+    largest = unsharded * max(sizes) // sum(sizes)      # the largest tensor's state
+    for r in range(2):
+        assert info[r]['state_bytes'][0] <= 0.5 * unsharded + largest
+    assert sum(i['state_bytes'][0] for i in info) == unsharded
+    exchange = info[0]['exchange']
+    assert exchange['reduce'] + exchange['gather'] <= 1.1 * exchange['ring_allreduce']
+
+
+def test_four_ranks(tmp_path):
+    cfg = hvd('lblamb', dict(SCALED, learning_rate=0.01, batch_scale=2, max_grad_norm=CLIP),
+              steps=6, batch=8, inject={'3': 2})
+    code, log = run_job(dict(cfg, sharded=True), tmp_path / 'sharded', ranks=4, timeout=300)
+    assert code == 0, log
+    code, log = run_job(cfg, tmp_path / 'plain', ranks=4, timeout=300)
+    assert code == 0, log
+    weights, record, norms, info = load(tmp_path / 'sharded', 4)
+    ref_weights, ref_record, ref_norms, _ = load(tmp_path / 'plain', 4)
+    for name, w in ref_weights.items():
+        np.testing.assert_allclose(weights[name], w, rtol=1e-5, atol=1e-7, err_msg=name)
+    np.testing.assert_array_equal(record, ref_record)
+    assert sorted(set(info[0]['partition'].values())) == [0, 1, 2, 3]
+
+
+RESUME = hvd('lblamb', dict(SCALED, learning_rate=0.01, batch_scale=2, max_grad_norm=CLIP,
+                            trust_exclude=True), steps=8, batch=16, sharded=True)
+
+
+@pytest.mark.parametrize('before, after', [(2, 1), (1, 2), (2, 4)])
+def test_resume_at_another_world_size(tmp_path, before, after):
+    """Save at step 4 (a window boundary) at `before` ranks, resume at `after` ranks with
+    the same global batch: the weights of the uninterrupted run at `before` ranks."""
+    global_batch = RESUME['batch'] * 2
+    first = dict(RESUME, batch=global_batch // before, stop_at=4)
+    code, log = run_job(first, tmp_path / 'first', before)
+    assert code == 0, log
+    second = dict(RESUME, batch=global_batch // after,
+                  start_from={'dir': str(tmp_path / 'first'), 'at': 4})
+    code, log = run_job(second, tmp_path / 'second', after, timeout=300)
+    assert code == 0, log
+    whole = dict(RESUME, batch=global_batch // before)
+    code, log = run_job(whole, tmp_path / 'whole', before)
+    assert code == 0, log
+    weights, _, _, _ = load(tmp_path / 'second', after)
+    ref, _, _, _ = load(tmp_path / 'whole', before)
+    for name, w in ref.items():
+        np.testing.assert_allclose(weights[name], w, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_a_save_inside_a_window_is_refused(tmp_path):
+    code, log = run_job(dict(RESUME, stop_at=3), tmp_path)
+    assert code != 0 and 'exit with status code 3' in log, log
+    assert 'save at a window boundary' in log
+
+
+def test_parameters_that_differ_across_ranks_are_refused(tmp_path):
+    code, log = run_job(dict(RESUME, perturb_rank=1), tmp_path)
+    assert code != 0 and 'exit with status code 3' in log, log
+    assert 'differs across ranks' in log and 'broadcast_parameters' in log
+
+
+SINGLE = r'''
+import sys
+import horovod.mxnet as hvd
+import mxnet as mx
+import mx_lbsgd
+net = mx.gluon.nn.Dense(3, in_units=4)
+net.initialize()
+try:
+    mx_lbsgd.ShardedTrainer(net.collect_params(), 'lbsgd')
+except RuntimeError as err:
+    print('NOT INITIALIZED:', err)
+hvd.init()
+emb = mx.gluon.nn.Embedding(10, 4, sparse_grad=True)
+emb.initialize()
+try:
+    mx_lbsgd.ShardedTrainer(emb.collect_params(), 'lbsgd')
+except ValueError as err:
+    print('SPARSE:', err)
+other = mx.gluon.nn.Dense(5, in_units=4)
+other.initialize()
+trainer = mx_lbsgd.ShardedTrainer(other.collect_params(), 'lbsgd', dict(momentum=0.9))
+with mx.autograd.record():
+    loss = other(mx.nd.ones((2, 4))).sum()
+loss.backward()
+trainer.step(2)
+trainer.save_states(sys.argv[1])
+mine = mx_lbsgd.ShardedTrainer(net.collect_params(), 'lbsgd', dict(momentum=0.9))
+try:
+    mine.load_states(sys.argv[1])
+except ValueError as err:
+    print('OTHER MODEL:', err)
+for attach in (mx_lbsgd.LossScaling, mx_lbsgd.GradientNoiseScale):
+    try:
+        attach(mine)
+    except ValueError as err:
+        print('REFUSED:', err)
+'''
+
+
+def test_errors_name_the_cause(tmp_path):
+    proc = subprocess.run([sys.executable, '-c', SINGLE, str(tmp_path / 'other.states')],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120)
+    out = proc.stdout
+    assert 'NOT INITIALIZED: ShardedTrainer: horovod is not initialized; call hvd.init()' in out
+    assert 'SPARSE: ShardedTrainer: parameter(s)' in out and 'sparse gradients' in out
+    assert 'OTHER MODEL:' in out and 'does not fit' in out, out
+    assert 'REFUSED: LossScaling cannot drive a ShardedTrainer' in out
+    assert 'REFUSED: GradientNoiseScale cannot watch a ShardedTrainer' in out
+
+
+MX_LBSGD = os.path.join(os.path.dirname(sys.executable), 'mx-lbsgd')
+
+
+def test_mlm_shard_states_equals_the_distributed_trainer(tmp_path):
+    """`mx-lbsgd mlm --horovod --shard-states` (fp16 lblamb, loss scaling, clipping,
+    hybridized with static_alloc) ends with the same parameter bytes as the run on
+    hvd.DistributedTrainer."""
+    digests = []
+    for flags in (['--shard-states'], []):
+        out = tmp_path / ('sharded' if flags else 'plain')
+        proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2', MX_LBSGD,
+                           'mlm', '--horovod', '--steps', '12', '--warmup', '2', '--quiet',
+                           '--out', str(out)] + flags,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+        assert proc.returncode == 0, proc.stdout
+        summary = json.loads((out / 'summary.json').read_text())
+        assert summary['shard_states'] == bool(flags)
+        digests.append(summary['param_sha256_per_rank'])
+        if flags:
+            assert summary['optimizer_state_bytes'] > 0
+    assert digests[0] == digests[1] and len(set(digests[0])) == 1
+
+
+def test_mlm_shard_states_needs_horovod(tmp_path):
+    proc = subprocess.run([MX_LBSGD, 'mlm', '--shard-states', '--out', str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert 'argument --shard-states: needs --horovod' in proc.stdout
