@@ -489,6 +489,8 @@ def reduced_gradient_mean_factor(trainer: mx.gluon.Trainer) -> float:
         import horovod.mxnet as hvd
         size = trainer._process_set.size() if hasattr(trainer, '_process_set') else hvd.size()
         return float(getattr(trainer, '_gradient_predivide_factor', 1.0)) / size
+    if type(trainer).__name__ == 'ShardedTrainer':      # sums over ranks, as Horovod on CPU
+        return 1.0 / trainer.size
     init_trainer_kvstore(trainer)
     kv = trainer._kvstore
     if kv is not None and 'dist' in kv.type:

@@ -116,10 +116,6 @@ class GradientNoiseScale:
             raise TypeError("GradientNoiseScale needs a Trainer running one of mx_lbsgd's "
                             "optimizers ('lbsgd', 'lssgd', 'lblamb'); this one runs %s"
                             % type(opt).__name__)
-        if hasattr(trainer, 'step_sum_of_squares'):
-            raise ValueError('GradientNoiseScale cannot watch a ShardedTrainer yet: after its '
-                             'exchange each rank holds only the gradients it owns. Use '
-                             'hvd.DistributedTrainer to measure the noise scale')
         if _compat.trainer_kvstore_requested_updates(trainer):
             raise ValueError('GradientNoiseScale cannot watch a Trainer with '
                              'update_on_kvstore=True: the reduced gradient never reaches the '
@@ -178,7 +174,9 @@ class GradientNoiseScale:
         window = opt.batch_scale if closes_window else 1
         b_small = batch / self._devices
         b_big = batch * workers * window
-        big = _sum_squares(_gradients_by_device(trainer)[0])
+        # a sharded Trainer's ranks hold the reduced gradients they own: its sum over them
+        reduced = getattr(trainer, 'reduced_sum_of_squares', None)
+        big = reduced() if reduced is not None else _sum_squares(_gradients_by_device(trainer)[0])
         # the reduced gradient times `mean` is the mean over workers of each worker's
         # gradient (its sum over `batch` examples; a window's mean of such sums)
         mean = _compat.reduced_gradient_mean_factor(trainer)

@@ -19,7 +19,9 @@ process of batch n*b sees. Each worker saves its weights, loss scales and skip f
 the gradient reductions (pushpull / allreduce calls) of every step, and the optimizer's or
 hook's ``last_grad_norm`` after every step (``norms``; NaN without clipping).
 `sharded` (mx_lbsgd.ShardedTrainer under horovod), `perturb_rank` (that rank's first
-parameter differs), `dtype` ('float16' parameters), `stop_at` (save net.params and
+parameter differs), `die_in_save` (that rank exits inside save_states), `split_step` (allreduce_grads() then
+update() instead of step()), `dtype`
+('float16' parameters), `stop_at` (save net.params and
 trainer.states into the output folder before that step and stop) and `start_from`
 ({'dir', 'at'}: load them and train from that step, at any world size) drive the sharding
 tests; sharded (or `memory`) runs write rankR.info.json (state and accumulator bytes, the
@@ -171,6 +173,9 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
         before = len(COMM)
         if hook:
             hook.step(step_batch)
+        elif cfg.get('split_step'):           # the Trainer interface's two halves
+            trainer.allreduce_grads()
+            trainer.update(step_batch)
         else:
             trainer.step(step_batch)
         comm.append(len(COMM) - before)
@@ -220,13 +225,28 @@ def _exchange(trainer):
 def _save(cfg, net, trainer, rank):
     """`stop_at`: save the weights (rank 0) and the trainer states, for another job."""
     folder = cfg['save_dir']
-    if rank == 0:
+    if cfg.get('die_in_save') == rank:      # this rank dies in the middle of the save
+        trainer._hvd = _Dying(trainer._hvd)
+    if rank == 0 and not cfg.get('die_in_save'):
         net.save_parameters(os.path.join(folder, 'net.params'))
     if isinstance(trainer, mx_lbsgd.ShardedTrainer):
         trainer.save_states(os.path.join(folder, 'trainer.states'))   # every rank takes part
     elif rank == 0:
         mx_lbsgd.checkpoint.save_states(trainer, os.path.join(folder, 'trainer.states'))
     _barrier(cfg, None)
+
+
+class _Dying:
+    """horovod.mxnet whose first broadcast kills the process (a rank lost mid-save)."""
+
+    def __init__(self, hvd):
+        self._hvd = hvd
+
+    def __getattr__(self, name):
+        return getattr(self._hvd, name)
+
+    def broadcast_(self, *args, **kwargs):
+        os._exit(1)
 
 
 def _resume(cfg, net, trainer, kv, rank, num_workers, contexts):

@@ -243,12 +243,24 @@ class ShardedTrainer(mx.gluon.Trainer):
             if i not in owned and p._data is not None:
                 for d in p._data:
                     d._fresh_grad = False        # reduced by its owner: nothing to update
-        opt = self._optimizer
-        if getattr(opt, 'wants_step_gradients', lambda: False)():
-            local = _kernels.total_sum_squares(
-                [_compat.legacy(self._params[i].list_grad()[0]) for i in sorted(owned)])
-            self._sum_sq = self._hvd.allreduce(local, average=False,
-                                               name='%s.sumsq' % self._prefix)
+        if getattr(self._optimizer, 'wants_step_gradients', lambda: False)():
+            self._sum_sq = self._global_sum_of_squares()
+
+    def reduced_sum_of_squares(self) -> nd.NDArray:
+        """The sum of squares of this step's reduced gradients over every rank's shard, a
+        (1,) device array (one small allreduce, unless the step already made it)."""
+        if self._sum_sq is None:
+            self._sum_sq = self._global_sum_of_squares()
+        return self._sum_sq
+
+    def _global_sum_of_squares(self) -> nd.NDArray:
+        owned = self._owned() if self.size > 1 else range(len(self._params))
+        local = _kernels.total_sum_squares(
+            [_compat.legacy(self._params[i].list_grad()[0]) for i in owned
+             if self._params[i].grad_req != 'null'])
+        if self.size == 1:
+            return local
+        return self._hvd.allreduce(local, average=False, name='%s.sumsq' % self._prefix)
 
     def step_sum_of_squares(self) -> Optional[nd.NDArray]:
         """The sum of squares of this step's reduced gradients over every rank's shard (a

@@ -150,12 +150,13 @@ class _Pending:
 
 
 def _locate(*, flags: Dict[int, bool], micro_batch: Optional[int], num_workers: int,
-            window: int) -> Tuple[Optional[int], Optional[bool], str]:
+            window: int, shard: bool = False) -> Tuple[Optional[int], Optional[bool], str]:
     """(micro_batch, originated_here, note) from what this worker can know; `flags`:
     {micro-batch (0: the step): finite?} of this worker's gradients before the reduction."""
     failed = [k for k, ok in flags.items() if not ok]
     distributed = num_workers > 1
-    notes = []
+    notes = ['This rank checked the parameters it owns (ShardedTrainer.partition); the '
+             "others' owners name theirs."] if shard else []
     # the engine sums (kvstore servers, Horovod on CPU/gloo) or averages (Horovod with
     # NCCL >= 2.10); a positive factor changes no kind or count, so the note names both
     reduced = (' reduced over %d workers (their sum, or their mean where the allreduce '
@@ -250,14 +251,15 @@ class OverflowMonitor:
     def skipped(self, *, scaler: DynamicLossScaler, scale: float,
                 named_grads: Sequence[Tuple[str, nd.NDArray]], micro_batch: Optional[int] = None,
                 local_flags: Optional[Mapping[int, nd.NDArray]] = None,
-                rank: Optional[int] = None, num_workers: int = 1, window: int = 0) -> None:
+                rank: Optional[int] = None, num_workers: int = 1, window: int = 0,
+                shard: bool = False) -> None:
         """Keep the report of a skipped step (device values), log it, warn on the scaler's
         alert. `window`: the window's size when the checked gradient is a Trainer window's
-        mean."""
+        mean. `shard`: this rank checked only the parameters it owns (a sharded Trainer)."""
         meta = dict(step=scaler.total_steps, scale=float(scale),
                     scale_after=float(scaler.scale), rank=rank, num_workers=int(num_workers),
                     where=dict(micro_batch=micro_batch, num_workers=int(num_workers),
-                               window=window))
+                               window=window, shard=shard))
         pending = _Pending([n for n, _ in named_grads],
                            _device_values([g for _, g in named_grads], local_flags),
                            sorted(local_flags or ()), meta)
@@ -286,7 +288,8 @@ class OverflowMonitor:
             micro_batch = optimizer.window_position + 1
         self.skipped(scaler=scaler, scale=scale, named_grads=named_grads,
                      micro_batch=micro_batch, local_flags=local_flags, rank=rank,
-                     num_workers=workers, window=batch_scale if at_trainer else 0)
+                     num_workers=workers, window=batch_scale if at_trainer else 0,
+                     shard=hasattr(trainer, 'step_sum_of_squares'))
 
     def _settle(self, n: int) -> None:
         for _ in range(max(n, 0)):
