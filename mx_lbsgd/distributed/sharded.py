@@ -331,26 +331,12 @@ class ShardedTrainer(mx.gluon.Trainer):
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: fp32 master copies, moments and
         momentum of the parameters it owns (the window's accumulators are apart)."""
-        total = 0
-        split = getattr(self._optimizer, 'split_state', None)
-        for i, state in self._updaters[0].states.items():
-            weight = self._params[i].list_data()[0]
-            if split is not None:
-                family, master, _ = split(weight, state)
-                state = (family, master)
-            total += sum(a.size * np.dtype(a.dtype).itemsize for a in _arrays(state))
-        return total
+        return _bytes_held(self)[0]
 
     def accumulator_bytes(self) -> int:
         """Bytes of the window's fp32 accumulators on this rank (every parameter's: each
         rank sums its own micro-batches before the one exchange)."""
-        total = sum(a.size * 4 for a in self._accs.values())
-        split = getattr(self._optimizer, 'split_state', None)
-        if split is not None:
-            for i, state in self._updaters[0].states.items():
-                acc = split(self._params[i].list_data()[0], state)[2]
-                total += 0 if acc is None else acc.size * 4
-        return total
+        return _bytes_held(self)[1]
 
     # -- checkpoints ------------------------------------------------------------------
     def save_states(self, fname: str) -> None:
@@ -388,6 +374,21 @@ class ShardedTrainer(mx.gluon.Trainer):
             updater = self._updaters[0]
             updater.states = {i: s for i, s in updater.states.items() if i in owned}
             updater.states_synced = dict.fromkeys(updater.states, False)
+
+
+def _bytes_held(trainer: ShardedTrainer) -> Tuple[int, int]:
+    """(optimizer state bytes, window accumulator bytes) on this rank."""
+    state = 0
+    accs = sum(a.size * 4 for a in trainer._accs.values())
+    split = getattr(trainer._optimizer, 'split_state', None)
+    for i, held in trainer._updaters[0].states.items():
+        weight = trainer._params[i].list_data()[0]
+        if split is not None:
+            family, master, acc = split(weight, held)
+            held = (family, master)
+            accs += 0 if acc is None else acc.size * 4
+        state += sum(a.size * np.dtype(a.dtype).itemsize for a in _arrays(held))
+    return state, accs
 
 
 def _gather_states(trainer: ShardedTrainer, updater: Any, opt: Any) -> Dict[int, Any]:
