@@ -168,7 +168,9 @@ class ShardedTrainer(mx.gluon.Trainer):
         self._sum_sq: Optional[nd.NDArray] = None
         self._checked = False
         if all(p._data is not None for p in self._params):
-            self._check_same_everywhere()
+            # check, and rebind the parameters to the flat buffers now, before any forward
+            # pass (a hybridized block's cached graph then only ever sees the views)
+            self._prepare()
 
     # -- the partition ----------------------------------------------------------------
     @property
