@@ -125,8 +125,9 @@ def total_sum_squares(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
     if mine:
         parts.append(ops.sum_sq(*mine, num_arrays=len(mine), total=1))  # type: ignore[union-attr]
     by_dtype: Dict[Any, List[nd.NDArray]] = {}
+    taken = {id(m) for m in mine}
     for a in values:
-        if a.size and not any(a is m for m in mine):
+        if a.size and id(a) not in taken:
             by_dtype.setdefault(a.dtype, []).append(a)
     for group in by_dtype.values():
         parts.append(nd.sum(sum_squares(group), keepdims=True).reshape((1,)))

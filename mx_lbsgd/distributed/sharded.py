@@ -163,6 +163,8 @@ class ShardedTrainer(mx.gluon.Trainer):
             raise ValueError('ShardedTrainer: %d trained parameters for %d ranks; every rank '
                              'must own at least one' % (trained, self.size))
         self._partition: Optional[Partition] = None
+        self._mine: Optional[List[int]] = None
+        self._mine_set: frozenset = frozenset()
         self._layouts: List[_Layout] = []
         self._accs: Dict[int, nd.NDArray] = {}
         self._sum_sq: Optional[nd.NDArray] = None
@@ -189,7 +191,15 @@ class ShardedTrainer(mx.gluon.Trainer):
         return self._partition
 
     def _owned(self) -> List[int]:
-        return self.partition.owned(self.rank)
+        """The trainer indices this rank owns (the partition is fixed: computed once)."""
+        if self._mine is None:
+            self._mine = self.partition.owned(self.rank)
+        return self._mine
+
+    def _owned_set(self) -> frozenset:
+        if not self._mine_set:
+            self._mine_set = frozenset(self._owned())
+        return self._mine_set
 
     def _check_same_everywhere(self) -> None:
         """Once: every rank holds the same initial parameters (a digest per parameter,
@@ -229,7 +239,7 @@ class ShardedTrainer(mx.gluon.Trainer):
         self._sum_sq = None
         if self.size == 1:
             return
-        owned = set(self._owned())
+        owned = self._owned_set()
         for k, layout in enumerate(self._layouts):
             # the gradients are views of `send`: nothing to copy in
             grads = [_compat.legacy(self._params[i].list_grad()[0]) for i in layout.order]
@@ -270,7 +280,7 @@ class ShardedTrainer(mx.gluon.Trainer):
         return self._sum_sq
 
     def _update(self, ignore_stale_grad: bool = False) -> None:
-        owned = set(self._owned()) if self.size > 1 else None
+        owned = self._owned_set() if self.size > 1 else None
         updates = []
         for i, param in enumerate(self._params):
             if param.grad_req == 'null':
@@ -322,7 +332,7 @@ class ShardedTrainer(mx.gluon.Trainer):
         """The fp32 accumulator of parameter `index` for a window at this Trainer: the
         optimizer state's for an owned parameter, one of this Trainer's otherwise (each
         rank sums its own micro-batches of every parameter before the one exchange)."""
-        if self.size == 1 or index in set(self._owned()):
+        if self.size == 1 or index in self._owned_set():
             state = _compat.updater_state(self._updaters[0], index, weight)
             return self._optimizer.split_state(weight, state)[2]
         acc = self._accs.get(index)
@@ -372,7 +382,7 @@ class ShardedTrainer(mx.gluon.Trainer):
         on every rank, keeping the states of the parameters this rank owns."""
         checkpoint.load_states(self, fname)
         if self.size > 1:
-            owned = set(self._owned())
+            owned = self._owned_set()
             updater = self._updaters[0]
             updater.states = {i: s for i, s in updater.states.items() if i in owned}
             updater.states_synced = dict.fromkeys(updater.states, False)
