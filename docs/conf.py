@@ -13,6 +13,8 @@ autodoc_member_order = 'bysource'
 autodoc_typehints = 'none'
 napoleon_numpy_docstring = True
 napoleon_google_docstring = False
+napoleon_use_param = False   # types as text: 'int >= 1, default 10' is no class name
+napoleon_use_rtype = False
 html_theme = 'alabaster'
 html_theme_options = {'description': 'Large-batch and mixed-precision training for MXNet 1.9.1'}
 html_sidebars = {'**': ['about.html', 'navigation.html', 'searchbox.html']}

@@ -45,13 +45,16 @@ class LAMB(PipelineOptimizer):
     FusedLAMB (PyTorch has none in torch.optim): epsilon is added outside the square root
     of the corrected variance, and weight decay enters ``d`` before the trust ratio.
 
-    Parameters (besides those of ``mx.optimizer.Optimizer``)
+    Besides those of ``mx.optimizer.Optimizer`` (``learning_rate``, ``wd``,
+    ``rescale_grad``, ``clip_gradient``, ``lr_scheduler``, ``param_idx2name``, ...):
+
+    Parameters
     ----------
     learning_rate : float, default 0.001
     beta1, beta2 : float in [0, 1), default 0.9 and 0.999
     epsilon : float > 0, default 1e-6
     lower_bound, upper_bound : None or float > 0
-        Clip range of |w| in the trust ratio (MXNet's meaning: unset when None or <= 0).
+        Clip range of ``|w|`` in the trust ratio (MXNet's meaning: unset when None or <= 0).
     bias_correction : bool, default True
     multi_precision : bool
         Keep fp32 master weights (and fp32 moments) for float16 weights.

@@ -67,7 +67,10 @@ class LBSGD(PipelineOptimizer):
     ``torch.optim.SGD``: MXNet's momentum form (lr inside the momentum buffer), weight decay
     added to the gradient, no dampening or Nesterov.
 
-    Parameters (besides those of ``mx.optimizer.Optimizer``)
+    Besides those of ``mx.optimizer.Optimizer`` (``learning_rate``, ``wd``,
+    ``rescale_grad``, ``clip_gradient``, ``lr_scheduler``, ``param_idx2name``, ...):
+
+    Parameters
     ----------
     momentum : float in [0, 1)
     multi_precision : bool

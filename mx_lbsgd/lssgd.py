@@ -34,7 +34,10 @@ class LossScaledSGD(LBSGD):
     ``LBSGD(loss_scaler=...)`` for those); the update equals ``mx.optimizer.SGD`` when no step
     overflows.
 
-    Parameters (besides those of ``mx.optimizer.Optimizer``)
+    Besides those of ``mx.optimizer.Optimizer`` (``learning_rate``, ``wd``,
+    ``rescale_grad``, ``clip_gradient``, ``lr_scheduler``, ``param_idx2name``, ...):
+
+    Parameters
     ----------
     momentum : float in [0, 1)
     multi_precision : bool

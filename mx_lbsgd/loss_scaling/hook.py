@@ -16,7 +16,7 @@ from .scaler import DynamicLossScaler, as_scaler
 
 
 class LossScaling(overflow.OverflowViews):
-    """Attach dynamic loss scaling to one or several `gluon.Trainer`s::
+    """Attach dynamic loss scaling to one or several ``gluon.Trainer`` objects::
 
         scaling = mx_lbsgd.LossScaling(trainer)          # or [trainer_a, trainer_b]
         with autograd.record():
