@@ -6,6 +6,8 @@ import mxnet as mx
 from ._checks import check_choice, check_int, check_real
 from .schedules import WARMUP_SHAPES, decay_fraction, warmup_fraction
 
+__all__ = ['WarmupScheduler']
+
 
 class WarmupScheduler(mx.lr_scheduler.LRScheduler):
     """Warmup from `warmup_begin_lr` to `base_lr`, then constant, poly or cosine decay.

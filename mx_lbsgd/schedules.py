@@ -11,6 +11,9 @@ from typing import Callable, Dict, Tuple
 
 from ._checks import check_choice
 
+__all__ = ['WARMUP_SHAPES', 'WARMUP_STRATEGIES', 'warmup_fraction', 'warmup_multiplier',
+           'decay_fraction', 'strategy_table']
+
 #: name -> (f(t) for t in [0, 1] the fraction of the warmup done, the formula as text)
 WARMUP_SHAPES: Dict[str, Tuple[Callable[[float], float], str]] = {
     'linear': (lambda t: t, 't'),

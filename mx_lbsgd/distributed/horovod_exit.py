@@ -26,6 +26,8 @@ from typing import Any
 
 import mxnet as mx
 
+__all__ = ['install', 'drain_at_exit']
+
 #: Seconds the exit hook waits for MXNet's engine (environment variable, float).
 _TIMEOUT_ENV = 'MX_LBSGD_HOROVOD_EXIT_TIMEOUT'
 _DEFAULT_TIMEOUT = 120.0

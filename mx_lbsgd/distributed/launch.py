@@ -87,6 +87,8 @@ from typing import IO, Any, Callable, Dict, Iterable, List, Mapping, NoReturn, S
 #: its kvstore rank), or a ``(label, Popen)`` pair.
 _Entry = Sequence[Any]
 
+__all__ = ['launch', 'main']
+
 _GRACE = 3.0          # seconds between SIGTERM and SIGKILL
 _LINGER = 5.0         # seconds servers/scheduler get to exit after the workers succeed
 _EXIT_HANG = 10.0     # seconds a process gets to exit after the scheduler left the final barrier
