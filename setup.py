@@ -78,6 +78,12 @@ setup(
         # the tests run the demos end to end
         # radon and mypy: the code-shape test (tests/test_code_shape.py) and CI's type check
         'test': ['pytest>=7', 'coverage>=5', 'radon>=5', 'mypy>=1.0'] + DEMO_REQUIRES,
+        # the docs site (docs/, built with -W -n in CI): the versions CI builds with on
+        # Python 3.11, earlier ones where those need a newer Python
+        'docs': ['sphinx==9.0.4; python_version >= "3.11"',
+                 'myst-parser==5.2.0; python_version >= "3.11"',
+                 'sphinx>=7.1,<9; python_version < "3.11"',
+                 'myst-parser>=2.0,<5; python_version < "3.11"'],
     },
     entry_points={'console_scripts': ['mx-lbsgd = mx_lbsgd_demo.cli:main']},
 )

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(_HERE, '_ext'))
 project = 'mx_lbsgd'
 author = 'mx_lbsgd developers'
 copyright = '2026, mx_lbsgd developers'
-extensions = ['sphinx.ext.autodoc', 'sphinx.ext.napoleon', 'myst_parser']
+extensions = ['sphinx.ext.autodoc', 'sphinx.ext.napoleon', 'myst_parser', 'apicheck']
 source_suffix = {'.rst': 'restructuredtext', '.md': 'markdown'}
 exclude_patterns = ['_build']
 myst_heading_anchors = 4
@@ -29,7 +29,7 @@ napoleon_use_rtype = False
 html_theme = 'alabaster'
 html_title = 'mx_lbsgd'
 html_theme_options = {'description': 'Large-batch and mixed-precision training for MXNet 1.9.1',
-                      'page_width': '1100px', 'sidebar_width': '250px'}
+                      'page_width': '1240px', 'sidebar_width': '250px'}
 html_sidebars = {'**': ['about.html', 'navigation.html', 'relations.html', 'searchbox.html']}
 nitpicky = True
 # names outside this package that docstrings mention (MXNet's classes have no inventory

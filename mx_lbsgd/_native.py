@@ -37,7 +37,27 @@ class _Ops:
 def native_library() -> str | None:
     """The path of the native CPU operators in use (loaded on this call if need be), or None
     when ``pip install`` could not build them or ``MX_LBSGD_NATIVE=0`` turns them off; then
-    every optimizer runs MXNet's own operators."""
+    every optimizer runs MXNet's own operators.
+
+    Returns
+    -------
+    str or None
+        The path of ``mx_lbsgd/_native_ops*.so``, or None.
+
+    Raises
+    ------
+    ValueError
+        ``MX_LBSGD_NATIVE`` is set to something else than '0' or '1'.
+    RuntimeError
+        ``MX_LBSGD_NATIVE=1`` and the library was not built.
+
+    Examples
+    --------
+    >>> import mx_lbsgd
+    >>> path = mx_lbsgd.native_library()
+    >>> path is None or path.endswith('.so')
+    True
+    """
     loaded = ops()
     return None if loaded is None else loaded.path
 

@@ -208,7 +208,41 @@ def _load_progress(opt: mx.optimizer.Optimizer, progress: dict[str, Any]) -> Non
 
 def save_states(target: _Target, path: _Path) -> None:
     """Atomically write the optimizer states (every device) and progress of a gluon.Trainer
-    or a Module to `path`."""
+    or a Module to `path`.
+
+    Parameters
+    ----------
+    target : gluon.Trainer or Module
+        A Module must be bound, with its optimizer initialized.
+    path : str or os.PathLike
+
+    Raises
+    ------
+    TypeError
+        `target` is neither a gluon.Trainer nor a Module.
+    ValueError
+        A Module that updates on a distributed kvstore (its states live on the servers).
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> import mxnet as mx
+    >>> from mxnet import autograd, gluon, nd
+    >>> from mx_lbsgd import checkpoint
+    >>> net = gluon.nn.Dense(1, in_units=2)
+    >>> net.initialize(mx.init.One())
+    >>> trainer = gluon.Trainer(net.collect_params(), 'lbsgd', {'momentum': 0.9})
+    >>> with autograd.record():
+    ...     loss = net(nd.array([[1.0, 2.0]])).sum()
+    >>> loss.backward()
+    >>> trainer.step(1)
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(folder.name, 'run.states')
+    >>> checkpoint.save_states(trainer, path)
+    >>> os.listdir(folder.name)          # no temporary file left behind
+    ['run.states']
+    >>> folder.cleanup()
+    """
     updaters, opt = _updaters(target)
     progress = _progress(opt)
     hook = _loss_scaling(target)
@@ -309,7 +343,58 @@ def load_states(target: _Target, path: _Path, trusted: bool = False) -> None:
     """Check `path`, then load it into a gluon.Trainer or a Module. A missing file raises
     FileNotFoundError; any other problem (corrupted, not a states file, types outside the
     allowlist without ``trusted=True``, states that do not fit the target's parameters)
-    raises ValueError before anything changes."""
+    raises ValueError before anything changes.
+
+    Parameters
+    ----------
+    target : gluon.Trainer or Module
+        For a Trainer with a `LossScaling` hook, create the hook first: its scaler state
+        is loaded too.
+    path : str or os.PathLike
+        A file of `save_states`, of MXNet's ``Trainer.save_states`` or
+        ``Module.save_optimizer_states``, or of mx_lbsgd 0.1.
+    trusted : bool, default False
+        Unpickle without the allowlist (only for files you wrote yourself).
+
+    Raises
+    ------
+    FileNotFoundError
+        `path` does not exist.
+    ValueError
+        Anything else wrong with the file or its fit (see above).
+    TypeError
+        `target` is neither a gluon.Trainer nor a Module.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> import mxnet as mx
+    >>> from mxnet import autograd, gluon, nd
+    >>> from mx_lbsgd import checkpoint
+    >>> net = gluon.nn.Dense(1, in_units=2)
+    >>> net.initialize(mx.init.One())
+    >>> trainer = gluon.Trainer(net.collect_params(), 'lbsgd', {'momentum': 0.9})
+    >>> with autograd.record():
+    ...     loss = net(nd.array([[1.0, 2.0]])).sum()
+    >>> loss.backward()
+    >>> trainer.step(1)
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(folder.name, 'run.states')
+    >>> checkpoint.save_states(trainer, path)
+    >>> resumed = gluon.Trainer(net.collect_params(), 'lbsgd', {'momentum': 0.9})
+    >>> checkpoint.load_states(resumed, path)
+    >>> resumed.optimizer.num_update, resumed.optimizer.micro_batches
+    (1, 1)
+
+    States that do not fit (no momentum buffer without momentum) are refused:
+
+    >>> other = gluon.Trainer(net.collect_params(), 'lbsgd', {'momentum': 0.0})
+    >>> checkpoint.load_states(other, path)
+    Traceback (most recent call last):
+    ...
+    ValueError: optimizer states file '...run.states' does not fit this LBSGD for parameter ...
+    >>> folder.cleanup()
+    """
     device_states, progress = _read(path, trusted)
     updaters, opt = _updaters(target)
     weights = _weights_by_key(target)
@@ -418,7 +503,40 @@ def save_checkpoint(mod: mx.module.Module, prefix: str, epoch: int,
                     save_optimizer_states: bool = True) -> None:
     """`Module.save_checkpoint`, with every file written atomically:
     prefix-symbol.json, prefix-%04d.params (each with a .sha256 sidecar) and (optionally)
-    prefix-%04d.states."""
+    prefix-%04d.states.
+
+    Parameters
+    ----------
+    mod : Module
+        Bound, its parameters (and, to save them, its optimizer) initialized.
+    prefix : str
+        Path prefix of the files.
+    epoch : int
+    save_optimizer_states : bool, default True
+        Also write the optimizer states with `save_states`.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> import mxnet as mx
+    >>> from mx_lbsgd import checkpoint
+    >>> sym = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(
+    ...     mx.sym.Variable('data'), num_hidden=2, name='fc'), name='softmax')
+    >>> mod = mx.mod.Module(sym, context=mx.cpu())
+    >>> mod.bind(data_shapes=[('data', (4, 3))], label_shapes=[('softmax_label', (4,))])
+    >>> mod.init_params(mx.init.Zero())
+    >>> mod.init_optimizer(optimizer='lbsgd', optimizer_params={'momentum': 0.9})
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> checkpoint.save_checkpoint(mod, os.path.join(folder.name, 'model'), 3)
+    >>> for name in sorted(os.listdir(folder.name)):
+    ...     print(name)
+    model-0003.params
+    model-0003.params.sha256
+    model-0003.states
+    model-symbol.json
+    model-symbol.json.sha256
+    >>> folder.cleanup()
+    """
     for name, write in (('%s-symbol.json' % prefix, mod.symbol.save),
                         ('%s-%04d.params' % (prefix, epoch), mod.save_params)):
         _atomic_write(name, write)
@@ -435,7 +553,55 @@ def save_checkpoint(mod: mx.module.Module, prefix: str, epoch: int,
 def load_checkpoint(prefix: str, epoch: int
                     ) -> tuple[mx.sym.Symbol, dict[str, mx.nd.NDArray], dict[str, mx.nd.NDArray]]:
     """`mx.model.load_checkpoint` after checking the .sha256 sidecars that
-    `save_checkpoint` wrote: (symbol, arg_params, aux_params)."""
+    `save_checkpoint` wrote: (symbol, arg_params, aux_params).
+
+    Parameters
+    ----------
+    prefix : str
+    epoch : int
+
+    Returns
+    -------
+    tuple
+        ``(symbol, arg_params, aux_params)``, as ``mx.model.load_checkpoint`` returns them.
+        Optimizer states: ``load_states(mod, '%s-%04d.states' % (prefix, epoch))`` once the
+        Module is bound.
+
+    Raises
+    ------
+    FileNotFoundError
+        The symbol or params file is missing.
+    ValueError
+        A sidecar is missing or unreadable, or a file does not match its SHA-256.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> import mxnet as mx
+    >>> from mx_lbsgd import checkpoint
+    >>> sym = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(
+    ...     mx.sym.Variable('data'), num_hidden=2, name='fc'), name='softmax')
+    >>> mod = mx.mod.Module(sym, context=mx.cpu())
+    >>> mod.bind(data_shapes=[('data', (4, 3))], label_shapes=[('softmax_label', (4,))])
+    >>> mod.init_params(mx.init.Zero())
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> prefix = os.path.join(folder.name, 'model')
+    >>> checkpoint.save_checkpoint(mod, prefix, 3, save_optimizer_states=False)
+    >>> symbol, arg_params, aux_params = checkpoint.load_checkpoint(prefix, 3)
+    >>> sorted(arg_params), aux_params
+    (['fc_bias', 'fc_weight'], {})
+
+    A changed byte is caught before MXNet reads the file:
+
+    >>> with open(prefix + '-0003.params', 'r+b') as f:
+    ...     _ = f.seek(-1, os.SEEK_END)
+    ...     _ = f.write(b'!')
+    >>> checkpoint.load_checkpoint(prefix, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: checkpoint file '...model-0003.params' is corrupted (its SHA-256 does not ...
+    >>> folder.cleanup()
+    """
     for name in ('%s-symbol.json' % prefix, '%s-%04d.params' % (prefix, epoch)):
         if not os.path.exists(name):
             raise FileNotFoundError('checkpoint file %r does not exist' % name)

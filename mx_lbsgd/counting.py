@@ -18,7 +18,31 @@ _METHODS = [(mx.nd.NDArray, 'asnumpy'), (mx.nd.NDArray, 'asscalar'),
 @contextlib.contextmanager
 def count_host_syncs(include_waitall: bool = True) -> Iterator[list[str]]:
     """Yields a list that receives the name of every host sync made inside the block
-    (the outermost call only: `asscalar` calling `asnumpy` counts once)."""
+    (the outermost call only: `asscalar` calling `asnumpy` counts once).
+
+    Counted: ``NDArray.asnumpy``, ``NDArray.asscalar``, ``NDArray.wait_to_read`` and, with
+    `include_waitall`, ``mx.nd.waitall``.
+
+    Parameters
+    ----------
+    include_waitall : bool, default True
+
+    Yields
+    ------
+    list of str
+        The names of the calls, in order.
+
+    Examples
+    --------
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.counting import count_host_syncs
+    >>> a = nd.array([1.0, 2.0])
+    >>> with count_host_syncs() as syncs:
+    ...     total = (a * 2).sum().asscalar()
+    ...     values = a.asnumpy()
+    >>> syncs
+    ['asscalar', 'asnumpy']
+    """
     calls: list[str] = []
     depth = [0]
     targets = _METHODS + ([(mx.nd, 'waitall')] if include_waitall else [])
@@ -44,7 +68,23 @@ def count_host_syncs(include_waitall: bool = True) -> Iterator[list[str]]:
 @contextlib.contextmanager
 def count_kernel_launches() -> Iterator[list[Any]]:
     """Yields a list that receives one entry per MXNet operator call (one engine push,
-    a kernel launch on GPU) made through mx.nd inside the block."""
+    a kernel launch on GPU) made through mx.nd inside the block.
+
+    Yields
+    ------
+    list
+        One operator handle per call.
+
+    Examples
+    --------
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.counting import count_kernel_launches
+    >>> a = nd.array([1.0, 2.0])
+    >>> with count_kernel_launches() as launches:
+    ...     b = a * 2 + 1
+    >>> len(launches)
+    2
+    """
     calls: list[Any] = []          # one operator handle per call
     undo = _compat.patch_operator_invoke(calls.append)
     try:

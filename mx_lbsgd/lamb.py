@@ -73,10 +73,42 @@ class LAMB(PipelineOptimizer):
     max_grad_norm : None or float >= 0, default None
         Clip the applied gradient (the window's mean, unscaled, reduced over workers) to
         this global L2 norm over all parameters: ``g *= min(1, max_grad_norm / (norm +
-        1e-6))`` before weight decay is added; the trust ratio sees the clipped gradient. The BERT recipe uses 1.0. None or 0: no clipping.
+        1e-6))`` before weight decay is added; the trust ratio sees the clipped gradient.
+        The BERT recipe uses 1.0. None or 0: no clipping.
         ``last_grad_norm`` / ``last_clip_coefficient`` report the last update's norm and
         factor as NDArrays. See `mx_lbsgd.pipeline.clip` for how it differs from torch,
         apex and GluonNLP, and for non-finite norms.
+
+    Raises
+    ------
+    ValueError
+        An argument out of its range (``beta1`` or ``beta2`` outside [0, 1),
+        ``epsilon <= 0``, ``lower_bound > upper_bound``, ``batch_scale < 1``, ...).
+    TypeError
+        A number of the wrong type, or a ``trust_exclude`` that is not None, True, a list
+        of str or a callable.
+
+    Examples
+    --------
+    One LAMB step; at its defaults it is MXNet's ``'lamb'`` (whose states load into it):
+
+    >>> import mxnet as mx
+    >>> from mxnet import autograd, gluon, nd
+    >>> import mx_lbsgd
+    >>> net = gluon.nn.Dense(1, in_units=2, prefix='fc_')
+    >>> net.initialize(mx.init.One())
+    >>> trainer = gluon.Trainer(net.collect_params(), 'lblamb', {
+    ...     'learning_rate': 0.01, 'trust_exclude': True, 'max_grad_norm': 1.0})
+    >>> with autograd.record():
+    ...     loss = net(nd.array([[1.0, 2.0]])).sum()
+    >>> loss.backward()
+    >>> trainer.step(1)
+    >>> type(trainer.optimizer).__name__, trainer.optimizer.num_update
+    ('LAMB', 1)
+    >>> print(net.weight.data().asnumpy().round(4))     # w - lr * ratio * m / sqrt(v)
+    [[0.99 0.99]]
+    >>> print(trainer.optimizer.last_grad_norm.asnumpy().round(4))  # before clipping
+    [2.4495]
     """
 
     counts_applied_updates = True

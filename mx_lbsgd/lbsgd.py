@@ -48,7 +48,7 @@ class LBSGD(PipelineOptimizer):
     or None), with the float32 accumulator appended when ``batch_scale > 1``: at
     ``batch_scale=1`` they load into ``SGD`` (and MXNet's ``LBSGD``) and back.
 
-    It is a preset of the update pipeline (`mx_lbsgd._pipeline`): the SGD kernel family, a
+    It is a preset of the update pipeline (`mx_lbsgd.pipeline`): the SGD kernel family, a
     warmup, and a trust ratio when ``lars``.
 
     LARS: You, Gitman & Ginsburg, "Large Batch Training of Convolutional Networks" (2017),
@@ -125,7 +125,8 @@ class LBSGD(PipelineOptimizer):
     max_grad_norm : None or float >= 0, default None
         Clip the applied gradient (the window's mean, unscaled, reduced over workers) to
         this global L2 norm over all parameters: ``g *= min(1, max_grad_norm / (norm +
-        1e-6))`` before weight decay is added; the LARS ratio sees the clipped gradient. None or 0: no clipping.
+        1e-6))`` before weight decay is added; the LARS ratio sees the clipped gradient.
+        None or 0: no clipping.
         ``last_grad_norm`` / ``last_clip_coefficient`` report the last update's norm and
         factor as NDArrays. See `mx_lbsgd.pipeline.clip` for how it differs from torch,
         apex and GluonNLP, and for non-finite norms.
@@ -137,6 +138,50 @@ class LBSGD(PipelineOptimizer):
         ``batch_scale > 1`` a row_sparse gradient accumulates over the union of its rows
         (in a row_sparse buffer for gluon Parameters with ``grad_stype='row_sparse'``).
         LARS norms of such a layer cover the rows present and are read back once.
+
+    Raises
+    ------
+    ValueError
+        An argument out of its range (``momentum`` outside [0, 1), an unknown
+        ``warmup_strategy``, ``batch_scale < 1``, ``lars_min > lars_max``, a negative
+        ``max_grad_norm``, NaN, ...), ``lars`` not None or a bool, or ``lars=False`` with
+        ``warmup_strategy='lars'``. Later, ``create_state`` raises it for float16 weights
+        with ``batch_scale > 1`` and no ``multi_precision``.
+    TypeError
+        A number of the wrong type (``batch_scale=2.0``, ``momentum='0.9'``), or a
+        ``lars_exclude`` that is not None, a list of str or a callable.
+
+    Examples
+    --------
+    Two micro-batches per update, with a linear warmup over 4 micro-batches (one epoch of
+    ``updates_per_epoch=4``) up to ``batch_scale`` times the learning rate:
+
+    >>> import mxnet as mx
+    >>> from mxnet import autograd, gluon, nd
+    >>> import mx_lbsgd
+    >>> net = gluon.nn.Dense(1, in_units=2, prefix='fc_')
+    >>> net.initialize(mx.init.One())
+    >>> trainer = gluon.Trainer(net.collect_params(), 'lbsgd', {
+    ...     'learning_rate': 0.1, 'momentum': 0.9, 'batch_scale': 2,
+    ...     'warmup_strategy': 'linear', 'warmup_epochs': 1, 'updates_per_epoch': 4})
+    >>> x = nd.array([[1.0, 2.0]])
+    >>> for _ in range(2):                  # one window: the weights change once
+    ...     with autograd.record():
+    ...         loss = net(x).sum()
+    ...     loss.backward()
+    ...     trainer.step(1)
+    >>> opt = trainer.optimizer
+    >>> type(opt).__name__, opt.micro_batches, opt.applied_updates, opt.lr_multiplier()
+    ('LBSGD', 2, 1, 1.5)
+    >>> print(net.weight.data().asnumpy().round(4))    # w - 0.1 * 1.5 * mean gradient
+    [[0.85 0.7 ]]
+
+    Bad arguments raise at construction:
+
+    >>> mx_lbsgd.LBSGD(warmup_strategy='cosine')
+    Traceback (most recent call last):
+    ...
+    ValueError: warmup_strategy='cosine' is not supported; expected one of ('linear', ...)
     """
 
     def __init__(self, momentum: float = 0.0, multi_precision: bool = False,

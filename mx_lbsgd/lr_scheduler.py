@@ -21,6 +21,48 @@ class WarmupScheduler(mx.lr_scheduler.LRScheduler):
 
     with f = t, t**2 or sqrt(t) for strategy 'linear', 'power2', 'sqrt' and
     d = (1 - p)**power ('poly'), (1 + cos(pi p)) / 2 ('cosine') or 1 (decay=None).
+
+    Parameters
+    ----------
+    base_lr : float >= 0, default 0.01
+        The learning rate at the end of the warmup (the peak).
+    warmup_steps : int >= 0, default 0
+        Updates the warmup takes (W).
+    strategy : {'linear', 'power2', 'sqrt'}, default 'linear'
+        The warmup shape (`mx_lbsgd.schedules.WARMUP_SHAPES`).
+    warmup_begin_lr : float >= 0, default 0
+        The learning rate at update 0.
+    decay : {None, 'poly', 'cosine'}, default None
+        What follows the warmup: None keeps ``base_lr``.
+    max_update : int > warmup_steps, or None
+        Where the decay ends at ``final_lr``; required with a decay.
+    final_lr : float >= 0, default 0
+    power : float > 0, default 2
+        Exponent of the 'poly' decay (1: linear, the BERT recipe).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``strategy`` or ``decay``, a negative rate or step count, ``power <= 0``,
+        or a decay without a ``max_update`` greater than ``warmup_steps``.
+    TypeError
+        A number of the wrong type (``warmup_steps=2.5``).
+
+    Examples
+    --------
+    >>> import mx_lbsgd
+    >>> sched = mx_lbsgd.WarmupScheduler(base_lr=0.1, warmup_steps=4, decay='poly',
+    ...                                  max_update=8, power=1)
+    >>> [round(sched(t), 4) for t in range(10)]
+    [0.0, 0.025, 0.05, 0.075, 0.1, 0.075, 0.05, 0.025, 0.0, 0.0]
+
+    Any MXNet optimizer takes it as its ``lr_scheduler``:
+
+    >>> import mxnet as mx
+    >>> opt = mx.optimizer.create('lblamb', lr_scheduler=mx_lbsgd.WarmupScheduler(
+    ...     base_lr=1e-3, warmup_steps=100))
+    >>> opt.learning_rate
+    0.0
     """
 
     def __init__(self, base_lr: float = 0.01, warmup_steps: int = 0, strategy: str = 'linear',

@@ -54,6 +54,45 @@ class LossScaledSGD(LBSGD):
     max_grad_norm : None or float >= 0
         Global-norm clipping of the unscaled gradient, as in :class:`LBSGD`; its
         sum-of-squares pass is also the step's overflow check.
+
+    Raises
+    ------
+    ValueError
+        ``batch_scale``, ``warmup_strategy`` or ``warmup_epochs`` given (use
+        :class:`LBSGD` with ``loss_scaler=...`` for them), or an argument out of range as
+        in :class:`LBSGD`.
+    TypeError
+        ``loss_scaler`` not a DynamicLossScaler, a number or None, or a number of the
+        wrong type.
+
+    Examples
+    --------
+    A step whose gradients hold an inf is skipped as a whole and the scale backs off; the
+    next finite step is applied, unscaled inside the update:
+
+    >>> import mxnet as mx
+    >>> from mxnet import autograd, gluon, nd
+    >>> import mx_lbsgd
+    >>> net = gluon.nn.Dense(1, in_units=2, prefix='fc_')
+    >>> net.initialize(mx.init.One())
+    >>> trainer = gluon.Trainer(net.collect_params(), 'lssgd', {
+    ...     'learning_rate': 0.1, 'loss_scaler': mx_lbsgd.DynamicLossScaler(init_scale=1024)})
+    >>> opt = trainer.optimizer
+    >>> def train_step(x):
+    ...     with autograd.record():
+    ...         loss = net(nd.array(x)).sum() * opt.loss_scaler.scale   # scale the loss
+    ...     loss.backward()
+    ...     trainer.step(1)
+    >>> train_step([[1.0, float('inf')]])
+    >>> opt.last_step_skipped, opt.loss_scaler.scale
+    (True, 512.0)
+    >>> print(opt.last_overflow)
+    step 1 skipped (loss scale 1024 -> 512): fc_weight inf (1).
+    >>> train_step([[1.0, 2.0]])
+    >>> opt.last_step_skipped, opt.last_overflow
+    (False, None)
+    >>> print(net.weight.data().asnumpy().round(4))     # w - 0.1 * gradient
+    [[0.9 0.8]]
     """
 
     def __init__(self, momentum: float = 0.0, multi_precision: bool = False,

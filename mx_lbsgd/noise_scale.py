@@ -14,7 +14,7 @@ micro-batch, before the window sums it and before any reduction (B_small = the
 micro-batch on one device). g_big: the gradient the update applies, after the window and
 the reduction over devices and workers (kvstore ``device``/``dist_sync``, Horovod);
 B_big = B_small * devices * workers * batch_scale. The batch sizes come from the step's
-batch argument as the README passes it on each engine (see `GradientNoiseScale`'s
+batch argument as the docs' recipes pass it on each engine (see `GradientNoiseScale`'s
 Notes), the mean over workers from how the engine reduces
 (`_compat.reduced_gradient_mean_factor`: the kvstore's servers and Horovod on CPU sum,
 Horovod with NCCL >= 2.10 averages). Every norm is a sum of squares on the
@@ -58,8 +58,8 @@ class GradientNoiseScale:
     interval : int >= 1, default 10
         Updates between host reads; the estimates change only then.
     smoothing : float in [0, 1), default 0.95
-        Decay of the exponential moving averages of |G|^2 and tr(Sigma) (bias-corrected,
-        as Adam's moments).
+        Decay of the exponential moving averages of ``|G|^2`` and ``tr(Sigma)``
+        (bias-corrected, as Adam's moments).
     small_every : None or int >= 1
         Observe the small gradient on every k-th micro-batch (the first of each group of
         k). None: once per accumulation window (k = batch_scale), which keeps the cost of
@@ -68,10 +68,11 @@ class GradientNoiseScale:
     Attributes
     ----------
     b_simple : float or None
-        The smoothed estimate, None until there is one (or while the smoothed |G|^2 is not
-        positive).
+        The smoothed estimate, None until there is one (or while the smoothed ``|G|^2`` is
+        not positive).
     gradient_sq, trace_sigma : float or None
-        The smoothed |G|^2 and tr(Sigma), in units of the mean per-example gradient.
+        The smoothed ``|G|^2`` and ``tr(Sigma)``, in units of the mean per-example
+        gradient.
     b_small, b_big : float or None
         The two batch sizes (examples per gradient), known after the first step.
     history : list of dict
@@ -85,7 +86,7 @@ class GradientNoiseScale:
     Batch sizes: a gradient does not say how many examples it sums, so the monitor reads
     them from the batch passed to ``trainer.step(batch)`` (or to the `LossScaling` hook's
     ``step``), taken as the batch that makes the update apply the mean gradient of the
-    examples that entered it, the convention of the README's recipes:
+    examples that entered it, the convention of the docs' recipes:
 
     - one device, or several with a ``local``/``device`` kvstore: the worker's batch,
       over all its devices;
@@ -99,6 +100,41 @@ class GradientNoiseScale:
     Trainer's scale). ``B_small`` is that over the devices. A ``dist_sync`` loop that
     passes the per-worker batch trains with ``num_workers`` times the mean gradient, and
     the monitor would take B_small and B_big ``num_workers`` times too small.
+
+    Raises
+    ------
+    ValueError
+        A bad `interval`, `smoothing` or `small_every`; a Trainer with
+        ``update_on_kvstore=True``; or only one batch size to compare (one device, one
+        worker and no accumulation window at the Trainer).
+    TypeError
+        The Trainer's optimizer is not one of mx_lbsgd's.
+
+    Examples
+    --------
+    One device: the two batch sizes are a micro-batch (4 examples) and the window of
+    ``batch_scale=2`` micro-batches (8):
+
+    >>> import mxnet as mx
+    >>> from mxnet import autograd, gluon, nd
+    >>> import mx_lbsgd
+    >>> mx.random.seed(0)
+    >>> net = gluon.nn.Dense(1, in_units=2)
+    >>> net.initialize(mx.init.One())
+    >>> trainer = gluon.Trainer(net.collect_params(), 'lbsgd', {
+    ...     'learning_rate': 0.1, 'batch_scale': 2, 'warmup_epochs': 0})
+    >>> gns = mx_lbsgd.GradientNoiseScale(trainer, interval=2)
+    >>> for _ in range(8):                      # 8 micro-batches: 4 updates
+    ...     x = nd.random.normal(shape=(4, 2))
+    ...     with autograd.record():
+    ...         loss = ((net(x) - 10) ** 2).sum()
+    ...     loss.backward()
+    ...     trainer.step(4)
+    >>> gns.b_small, gns.b_big, [h['update'] for h in gns.history]
+    (4.0, 8.0, [1, 2, 3, 4])
+    >>> gns.b_simple is not None       # tr(Sigma) / |G|^2, smoothed
+    True
+    >>> gns.close()
     """
 
     def __init__(self, trainer: mx.gluon.Trainer, interval: int = 10, smoothing: float = 0.95,
@@ -230,7 +266,7 @@ class GradientNoiseScale:
     @staticmethod
     def _worker_batch(trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> float:
         """Examples per step on this worker (over its devices), from the step's batch
-        argument read the way the README's recipe for each engine passes it:
+        argument read the way the docs' recipe for each engine passes it:
 
         - one device, several devices (``local``/``device`` kvstore), Horovod: the step's
           batch is this worker's (``trainer.step(batch_per_worker)``);

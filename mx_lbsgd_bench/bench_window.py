@@ -8,7 +8,7 @@ micro-batches per update, in this one process, on the same weights and gradients
 
 - ``lblamb``: ``Trainer(params, 'lblamb', batch_scale=4, multi_precision=True,
   loss_scaler=DynamicLossScaler(...))``, ``grad_req='write'``, ``trainer.step(b)`` after
-  every micro-batch (the BERT recipe of the README): the Trainer keeps the window, the
+  every micro-batch (the BERT recipe of the docs): the Trainer keeps the window, the
   optimizer checks for overflow and unscales.
 - GluonNLP's ``run_pretraining.py`` loop: ``grad_req='add'``, MXNet's own ``'lamb'`` with
   ``multi_precision=True``, one step per window: an overflow check (``multi_all_finite``,

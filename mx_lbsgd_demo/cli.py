@@ -54,7 +54,7 @@ def _cmd_schedule(argv):
 def _cmd_bench(argv):
     p = Parser(prog='mx-lbsgd bench', description=(
         'Time the optimizer step against MXNet\'s own optimizers. By default runs '
-        'mx_lbsgd_bench.bench_shapes, the benchmark the README reports: step time, host syncs '
+        'mx_lbsgd_bench.bench_shapes, the benchmark the docs report: step time, host syncs '
         'and operator calls per step vs tensor count (4M parameters in N tensors), on '
         "ResNet-50 v1's 193 shapes, and of loss-scaled Trainer steps (several minutes on 2 "
         'cores; --quick: fewer rounds and steps, float32). Arguments it does not know go to '

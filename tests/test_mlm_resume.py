@@ -1,7 +1,8 @@
-"""``mx-lbsgd mlm --resume`` as the README shows it, and damaged checkpoints (issue 31).
+"""``mx-lbsgd mlm --resume`` as the docs show it, and damaged checkpoints (issue 31).
 
-The README's lines run in order, taken from README.md itself (a change there changes what
-is tested), each with the same small model appended so that the job takes seconds."""
+The lines of the masked-LM block of docs/guide/bert-lamb.md run in order, taken from the page
+itself (a change there changes what is tested), each with the same small model appended so
+that the job takes seconds."""
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: appended to every README line: a small model (the README's schedule, 200 updates of 4
+#: appended to every docs line: a small model (the page's schedule, 200 updates of 4
 #: micro-batches, and its --out / --stop-after / --resume stay as written)
 SMALL = ['--vocab', '16', '--hidden', '16', '--layers', '1', '--heads', '2', '--seq-len', '8',
          '--batch-size', '4']
@@ -27,9 +28,9 @@ def _env():
 
 
 def _readme_mlm_lines():
-    """The ``mx-lbsgd mlm`` lines of the README's masked-LM code block, in order, as argv
+    """The ``mx-lbsgd mlm`` lines of the docs' masked-LM code block, in order, as argv
     lists (comments dropped; the horovodrun line is test_mlm.py's horovod tests' job)."""
-    with open(os.path.join(ROOT, 'README.md')) as f:
+    with open(os.path.join(ROOT, 'docs', 'guide', 'bert-lamb.md')) as f:
         text = f.read()
     section = text[text.index('`mx-lbsgd mlm`'):]
     block = re.search(r'```bash\n(.*?)```', section, re.S).group(1)

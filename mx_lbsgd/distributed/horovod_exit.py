@@ -45,7 +45,25 @@ def install(refresh: bool = False) -> None:
     ``hvd.shutdown`` registered so far. `refresh`: register it again even if it was (moved
     to the front of the LIFO order, after an ``hvd.init()`` called since); for the rare call
     sites only (a Trainer bound, an optimizer created): CPython's ``atexit.unregister``
-    leaves a slot behind."""
+    leaves a slot behind.
+
+    The package calls it itself; a script that runs Horovod collectives of its own on
+    MXNet's engine outside the package's paths may call it after ``hvd.init()``.
+
+    Parameters
+    ----------
+    refresh : bool, default False
+
+    Examples
+    --------
+    In a Horovod job (skipped here: installing it in the test process would drain its
+    engine at exit):
+
+    >>> import horovod.mxnet as hvd                              # doctest: +SKIP
+    >>> from mx_lbsgd.distributed import horovod_exit
+    >>> hvd.init()                                               # doctest: +SKIP
+    >>> horovod_exit.install()                                   # doctest: +SKIP
+    """
     if _registered[0] and not refresh:
         return
     atexit.unregister(drain_at_exit)
@@ -77,7 +95,22 @@ def drain_at_exit() -> None:
     out (a peer gone, a collective nobody else runs), print why and end the process with
     status 1 before Horovod's and MXNet's exit hooks, which would crash or hang on the
     queued work. An operation that failed is reported on stderr (MXNet's own hook would have
-    raised it there too); the engine is empty afterwards either way."""
+    raised it there too); the engine is empty afterwards either way.
+
+    The wait is ``$MX_LBSGD_HOROVOD_EXIT_TIMEOUT`` seconds (default 120; at most 5 after
+    an uncaught exception).
+
+    Examples
+    --------
+    Called directly, it waits for the engine and returns:
+
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.distributed.horovod_exit import drain_at_exit
+    >>> pending = nd.ones((64, 64)) * 2
+    >>> drain_at_exit()
+    >>> float(pending[0, 0].asscalar())
+    2.0
+    """
     # sys.last_value: set by the interpreter when an uncaught exception ended the script
     failed = getattr(sys, 'last_value', None) is not None
     timeout = _timeout(failed)

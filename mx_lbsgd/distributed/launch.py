@@ -491,6 +491,51 @@ def launch(command: Iterable[str], num_workers: int, num_servers: int = 1,
     ``report``: a dict, filled in with ``'status'`` (the return value), ``'processes'``:
     ``{label: {'status', 'note'}}`` for every process (see ``_summary``), and ``'host'``
     and ``'port'``, the scheduler's address. Returns the exit status (module doc).
+
+    Parameters
+    ----------
+    command : iterable of str
+        The worker command, e.g. ``['python', 'train.py']``.
+    num_workers, num_servers : int >= 1
+    port : int, optional
+    timeout : float > 0, optional
+    env : mapping of str to str, optional
+    stream : text stream, optional
+    on_start : callable(dict), optional
+    report : dict, optional
+
+    Returns
+    -------
+    int
+        The job's exit status: 0 when every worker exits 0 (module doc).
+
+    Raises
+    ------
+    ValueError
+        An empty `command`, a count < 1, a `timeout` <= 0, or a `port` out of range or in
+        use.
+
+    Examples
+    --------
+    A job of two workers and one server (started here only where processes may be: the
+    lines are skipped in the doctests); every line of the job's output is prefixed with
+    the process it comes from:
+
+    >>> from mx_lbsgd.distributed.launch import launch
+    >>> report = {}
+    >>> launch(['python', 'train.py', '--epochs', '1'], num_workers=2,  # doctest: +SKIP
+    ...        timeout=600, report=report)
+    [worker 0] ...
+    0
+    >>> sorted(report['processes'])                                   # doctest: +SKIP
+    ['scheduler', 'server 0', 'worker 0', 'worker 1']
+
+    Bad arguments raise before anything starts:
+
+    >>> launch([], num_workers=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: command is empty
     """
     command = list(command)
     if not command:
@@ -740,7 +785,36 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``mx-lbsgd launch -n WORKERS [-s SERVERS] [--port P] [--timeout S] -- CMD``."""
+    """Command line: ``mx-lbsgd launch -n WORKERS [-s SERVERS] [--port P] [--timeout S] -- CMD``.
+
+    What ``python -m mx_lbsgd.launch`` and ``mx-lbsgd launch`` run.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The arguments (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The job's exit status (`launch`), or 2 when a port is in use.
+
+    Raises
+    ------
+    SystemExit
+        With status 2 and a one-line message on stderr for bad arguments (argparse), or 0
+        after ``--help``.
+
+    Examples
+    --------
+    >>> from mx_lbsgd.distributed.launch import main
+    >>> main(['-n', '2', '--', 'python', 'train.py'])          # doctest: +SKIP
+    0
+    >>> main(['-n', '0', '--', 'python', 'train.py'])
+    Traceback (most recent call last):
+    ...
+    SystemExit: 2
+    """
     parser = _Parser(
         prog='mx-lbsgd launch',
         description='Run an MXNet dist_sync job (scheduler, servers, workers) on this machine.',

@@ -40,7 +40,28 @@ __all__ = ['ShardedTrainer', 'Partition', 'partition']
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """Which rank owns which parameter (trainer index -> rank; -1: not trained)."""
+    """Which rank owns which parameter (trainer index -> rank; -1: not trained).
+
+    Made by `partition` (a frozen dataclass, the same on every rank).
+
+    Parameters
+    ----------
+    names : tuple of str
+        The Trainer's parameter names, in its order.
+    owners : tuple of int
+        The owning rank of each, -1 for a parameter that is not trained.
+    nbytes : tuple of int
+        The bytes of each weight.
+    size : int
+        The number of ranks.
+
+    Examples
+    --------
+    >>> from mx_lbsgd.distributed.sharded import Partition
+    >>> part = Partition(names=('w', 'b'), owners=(0, 1), nbytes=(64, 8), size=2)
+    >>> part.owned(1), part.bytes_per_rank(), part.by_name()
+    ([1], [64, 8], {'w': 0, 'b': 1})
+    """
 
     names: Tuple[str, ...]
     owners: Tuple[int, ...]
@@ -67,7 +88,32 @@ class Partition:
 def partition(names: Sequence[str], nbytes: Sequence[int], trained: Sequence[bool],
               size: int) -> Partition:
     """Whole tensors to `size` ranks by bytes: largest first, each to the rank with the
-    fewest bytes so far (ties: the lower rank); the same on every rank."""
+    fewest bytes so far (ties: the lower rank); the same on every rank.
+
+    Parameters
+    ----------
+    names : sequence of str
+    nbytes : sequence of int
+        The bytes of each weight.
+    trained : sequence of bool
+        False for parameters with ``grad_req='null'`` (owned by no rank: -1).
+    size : int
+        The number of ranks.
+
+    Returns
+    -------
+    Partition
+
+    Examples
+    --------
+    >>> from mx_lbsgd.distributed.sharded import partition
+    >>> part = partition(['fc0_weight', 'fc0_bias', 'fc1_weight', 'fc1_bias', 'bn_mean'],
+    ...                  [4096, 64, 2048, 32, 64], [True, True, True, True, False], size=2)
+    >>> part.owners
+    (0, 1, 1, 1, -1)
+    >>> part.owned(1), part.bytes_per_rank()
+    ([1, 2, 3], [4096, 2144])
+    """
     loads = [0] * size
     owners = [-1] * len(names)
     for i in sorted((i for i in range(len(names)) if trained[i]), key=lambda i: -nbytes[i]):
@@ -140,6 +186,47 @@ class ShardedTrainer(mx.gluon.Trainer):
     The gradients are summed over ranks and ``rescale_grad`` carries 1 / size, as
     Horovod's DistributedTrainer does on CPU, so the updates equal its updates. One
     context per rank; dense gradients only.
+
+    Parameters
+    ----------
+    params : ParameterDict or list of Parameter
+        The same parameters, with the same initial values, on every rank.
+    optimizer : str or mx.optimizer.Optimizer
+        Any optimizer; mx_lbsgd's (``'lbsgd'``, ``'lssgd'``, ``'lblamb'``) add loss
+        scaling, clipping and windows over the shards.
+    optimizer_params : dict, optional
+    prefix : str, default 'sharded'
+        Prefix of the names of its Horovod collectives (distinct per Trainer in one job).
+
+    Raises
+    ------
+    RuntimeError
+        Horovod is not installed with MXNet support, or ``hvd.init()`` was not called.
+    ValueError
+        Sparse gradients, fewer trained parameters than ranks, a parameter on several
+        contexts, or (once, before the first step) parameters that differ across ranks.
+
+    Examples
+    --------
+    It needs a Horovod job (``horovodrun -np 2 python train.py``), so the lines that run
+    it are skipped here. Each rank keeps the optimizer state of the parameters it owns
+    (``trainer.partition``) and trains with the per-rank batch:
+
+    >>> import mxnet as mx
+    >>> from mxnet import gluon
+    >>> import horovod.mxnet as hvd                                 # doctest: +SKIP
+    >>> import mx_lbsgd
+    >>> hvd.init()                                                  # doctest: +SKIP
+    >>> net = gluon.nn.Dense(4, in_units=8)
+    >>> net.initialize()
+    >>> params = net.collect_params()
+    >>> hvd.broadcast_parameters(params, root_rank=0)               # doctest: +SKIP
+    >>> trainer = mx_lbsgd.ShardedTrainer(params, 'lblamb', {       # doctest: +SKIP
+    ...     'learning_rate': 1e-3, 'batch_scale': 2, 'max_grad_norm': 1.0})
+    >>> trainer.partition.by_name()          # 2 ranks       # doctest: +SKIP
+    {'dense0_weight': 0, 'dense0_bias': 1}
+    >>> trainer.step(32)                     # after backward       # doctest: +SKIP
+    >>> trainer.save_states('run.states')    # every rank calls it  # doctest: +SKIP
     """
 
     def __init__(self, params: Any, optimizer: Any,

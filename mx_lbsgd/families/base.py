@@ -45,7 +45,26 @@ class GradNorm:
     `sum_sq` is the (1,) float32 sum of squares of the gradients as passed; `factor` the
     scalar that makes them the applied gradient (rescale_grad, 1 / loss scale). The
     coefficient multiplies rescale_grad in the kernels; it is NaN when the norm is not
-    finite, and the native kernels then write nothing."""
+    finite, and the native kernels then write nothing.
+
+    Parameters
+    ----------
+    sum_sq : NDArray
+        (1,) float32, on the device.
+    factor : float
+    max_norm : float
+    eps : float
+
+    Examples
+    --------
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.families import GradNorm
+    >>> grad_norm = GradNorm(nd.array([25.0]), factor=0.5, max_norm=1.0, eps=1e-6)
+    >>> print(grad_norm.norm().asnumpy(), grad_norm.coefficient().asnumpy().round(4))
+    [2.5] [0.4]
+    >>> grad_norm.native_attrs()['norm_factor']
+    0.5
+    """
 
     sum_sq: nd.NDArray
     factor: float
@@ -75,7 +94,28 @@ class GradNorm:
 
 
 class KernelFamily(Protocol):
-    """What the optimizer shell needs of a kernel family."""
+    """What the optimizer shell needs of a kernel family.
+
+    A `typing.Protocol`: a family satisfies it by having these attributes and methods
+    (`FamilyBase` gives ``native_kernel`` and ``sparse_refusal``); it need not inherit
+    from it. ``single_tensor`` and ``multi_tensor`` (and ``native``, see `FamilyBase`) are
+    the family's kernels, usually ``staticmethod`` s.
+
+    Examples
+    --------
+    The two families of the package satisfy it:
+
+    >>> from mx_lbsgd.families import KernelFamily, LAMBFamily, SGDFamily
+    >>> needed = set(KernelFamily.__annotations__) | {
+    ...     n for n in vars(KernelFamily) if not n.startswith('_')}
+    >>> sorted(needed)
+    ['describe', 'make_state', 'multi_tensor', 'name', 'native_kernel', 'run',
+     'single_tensor', 'sparse_refusal', 'split', 'supports_sparse', 'trust_in_kernel']
+    >>> families = [SGDFamily(0.9, lazy_update=True),
+    ...             LAMBFamily(0.9, 0.999, 1e-6, None, None, bias_correction=True)]
+    >>> [all(hasattr(f, n) for n in needed) for f in families]
+    [True, True]
+    """
 
     name: str                  # MXNet's optimizer of the same rule, for messages
     supports_sparse: bool      # whether `run_sparse` exists (a `SparseKernelFamily`)
@@ -112,7 +152,16 @@ class KernelFamily(Protocol):
 
 class SparseKernelFamily(KernelFamily, Protocol):
     """A kernel family with ``supports_sparse`` True: it also updates tensors with
-    non-default storage."""
+    non-default storage.
+
+    Examples
+    --------
+    >>> from mx_lbsgd.families import LAMBFamily, SGDFamily
+    >>> SGDFamily.supports_sparse, hasattr(SGDFamily, 'run_sparse')
+    (True, True)
+    >>> LAMBFamily.supports_sparse, hasattr(LAMBFamily, 'run_sparse')
+    (False, False)
+    """
 
     def run_sparse(self, *, weights: List[nd.NDArray], grads: List[nd.NDArray],
                    states: List[FamilyState], masters: List[Optional[nd.NDArray]],
@@ -123,7 +172,23 @@ class SparseKernelFamily(KernelFamily, Protocol):
 
 
 class FamilyBase:
-    """What the families share: the native-kernel choice and the sparse refusal."""
+    """What the families share: the native-kernel choice and the sparse refusal.
+
+    A subclass sets ``name``, ``supports_sparse``, ``trust_in_kernel`` and its kernels
+    (``native``, ``single_tensor``, ``multi_tensor``) as class attributes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from mx_lbsgd.families import FamilyBase
+    >>> class MyFamily(FamilyBase):
+    ...     name = 'MySGD'
+    >>> family = MyFamily()
+    >>> family.native_kernel('cpu', np.float32, with_master=False) is None   # no native
+    True
+    >>> family.sparse_refusal(['emb_weight'])
+    "MySGD has no sparse update: parameter(s) 'emb_weight' have row_sparse gradients or ..."
+    """
 
     name = ''
     supports_sparse = False

@@ -26,9 +26,9 @@ Three kernels share one keyword-only signature:
 - `_multi_tensor_lamb`: ``multi_lamb_update`` / ``multi_mp_lamb_update`` (at most 45
   tensors a call; the GPU path). ``multi_mp_lamb_update`` takes float16 gradients only, so
   float32 ones (an accumulated window) update the master copies with ``multi_lamb_update``,
-  which are then cast into the float16 weights. The trust ratio lives inside MXNet's kernels, so here a
-  layer excluded from it takes the per-tensor path, which passes zero norms (MXNet's
-  phase2 then keeps lr).
+  which are then cast into the float16 weights. The trust ratio lives inside MXNet's
+  kernels, so here a layer excluded from it takes the per-tensor path, which passes zero
+  norms (MXNet's phase2 then keeps lr).
 
 With global-norm clipping the native kernel folds the coefficient ``c`` into its
 rescale_grad (and writes nothing when the norm is not finite); MXNet's LAMB operators take
@@ -151,7 +151,31 @@ def _multi_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments],
 
 
 class LAMBFamily(FamilyBase):
-    """MXNet LAMB: state (mean, var), or (weight_fp32, (mean, var)) with master copies."""
+    """MXNet LAMB: state (mean, var), or (weight_fp32, (mean, var)) with master copies.
+
+    Parameters
+    ----------
+    beta1, beta2 : float
+    epsilon : float
+    lower_bound, upper_bound : float or None
+        Clip range of ``|w|`` in the trust ratio (unset when None or 0).
+    bias_correction : bool
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.families import LAMBFamily
+    >>> family = LAMBFamily(0.9, 0.999, 1e-6, None, None, bias_correction=True)
+    >>> weight = nd.ones((2, 3), dtype='float16')
+    >>> master = weight.astype('float32')
+    >>> state = family.make_state(weight, np.float32, master)
+    >>> state[0] is master, [m.shape for m in state[1]]
+    (True, [(2, 3), (2, 3)])
+    >>> moments, kept = family.split(state, with_master=True)
+    >>> kept is master, family.describe()
+    (True, 'beta1=0.9, beta2=0.999')
+    """
 
     name = 'LAMB'
     supports_sparse = False

@@ -192,7 +192,31 @@ def _sparse_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
 
 
 class SGDFamily(FamilyBase):
-    """MXNet SGD: momentum (lr inside the buffer), weight decay added to the gradient."""
+    """MXNet SGD: momentum (lr inside the buffer), weight decay added to the gradient.
+
+    Parameters
+    ----------
+    momentum : float
+        0: no momentum buffer (state None).
+    lazy_update : bool
+        With a row_sparse gradient, update only its rows (as ``mx.optimizer.SGD``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.families import SGDFamily
+    >>> family = SGDFamily(momentum=0.9, lazy_update=True)
+    >>> weight = nd.ones((2, 3))
+    >>> mom = family.make_state(weight, np.float32, None)
+    >>> mom.shape, family.describe()
+    ((2, 3), 'momentum=0.9')
+    >>> state, master = family.split(mom, with_master=False)
+    >>> state is mom, master
+    (True, None)
+    >>> family.split(None, with_master=False) is None      # no momentum buffer: no fit
+    True
+    """
 
     name = 'SGD'
     supports_sparse = True

@@ -49,7 +49,25 @@ _KVSTORE_REFUSAL = (
 
 def refuse_kvstore_updates(owner: str) -> NoReturn:
     """Raise the one refusal of loss scaling on a kvstore that updates the weights.
-    `owner` names who refuses (an optimizer class name, or 'LossScaling')."""
+    `owner` names who refuses (an optimizer class name, or 'LossScaling').
+
+    Parameters
+    ----------
+    owner : str
+
+    Raises
+    ------
+    ValueError
+        Always: the message says why and what to use instead.
+
+    Examples
+    --------
+    >>> from mx_lbsgd.loss_scaling import refuse_kvstore_updates
+    >>> refuse_kvstore_updates('LossScaling')
+    Traceback (most recent call last):
+    ...
+    ValueError: LossScaling cannot run with update_on_kvstore=True: the kvstore updates ...
+    """
     raise ValueError(_KVSTORE_REFUSAL % owner)
 
 
@@ -61,14 +79,60 @@ def all_finite(grads: Sequence[nd.NDArray], fused: Optional[bool]) -> bool:
 def decide(scaler: DynamicLossScaler, grads: Sequence[nd.NDArray], fused: Optional[bool],
            check: Check = all_finite) -> bool:
     """One loss-scaling step: check `grads`, account the result in `scaler` (grow, back
-    off, count). Returns True when the step is to be applied."""
+    off, count). Returns True when the step is to be applied.
+
+    Parameters
+    ----------
+    scaler : DynamicLossScaler
+        Updated once (nothing happens when it is disabled).
+    grads : sequence of NDArray
+        Every gradient of the step, on any devices.
+    fused : None or bool
+        Kernel path of the finite check (see ``LBSGD(fused=...)``).
+    check : callable(grads, fused) -> bool, optional
+        The finite check; the default runs it on the devices and reads one flag back.
+
+    Returns
+    -------
+    bool
+        True to apply the step, False to skip it.
+
+    Examples
+    --------
+    >>> from mxnet import nd
+    >>> from mx_lbsgd import DynamicLossScaler
+    >>> from mx_lbsgd.loss_scaling import decide
+    >>> scaler = DynamicLossScaler(init_scale=8.0)
+    >>> decide(scaler, [nd.array([1.0, 2.0]), nd.array([float('nan')])], None)
+    False
+    >>> scaler.scale
+    4.0
+    >>> decide(scaler, [nd.array([1.0, 2.0])], None)
+    True
+    """
     if not scaler.enabled:
         return True
     return scaler.update(not check(grads, fused))
 
 
 def unscale_factor(scale: float) -> float:
-    """The factor folded into the update's ``rescale_grad`` for gradients carrying `scale`."""
+    """The factor folded into the update's ``rescale_grad`` for gradients carrying `scale`.
+
+    Parameters
+    ----------
+    scale : float > 0
+
+    Returns
+    -------
+    float
+        ``1 / scale``.
+
+    Examples
+    --------
+    >>> from mx_lbsgd.loss_scaling import unscale_factor
+    >>> unscale_factor(1024.0)
+    0.0009765625
+    """
     return 1.0 / scale
 
 
@@ -81,6 +145,38 @@ class StepGate(Generic[C]):
 
     `check(grads, fused) -> bool` is the finite check (injected so that the gate's
     bookkeeping is testable without MXNet kernels).
+
+    Parameters
+    ----------
+    fused : None or bool
+        Kernel path of the finite check.
+    check : callable(grads, fused) -> bool, optional
+        The finite check (default: on the device, one host read).
+
+    Examples
+    --------
+    A Gluon-style step: `new_step` lists every gradient of the step, so the first call
+    decides for all of them (here: skip, and the scale backs off).
+
+    >>> import mxnet as mx
+    >>> from mxnet import nd
+    >>> from mx_lbsgd import DynamicLossScaler
+    >>> from mx_lbsgd.loss_scaling import StepGate
+    >>> scaler = DynamicLossScaler(init_scale=8.0)
+    >>> gate = StepGate()
+    >>> grad = nd.array([1.0, float('inf')])
+    >>> gate.new_step([grad])
+    >>> gate.submit([(mx.cpu(), 0)], [grad], 'update 0', scaler, scaler.scale)
+    [('update 0', False)]
+    >>> gate.take_skip(), gate.take_skip(), scaler.scale   # reported once
+    (True, False, 4.0)
+
+    The next step, announced without its gradients (as Module's Updater rounds are found):
+    it is decided once every key of the previous step has arrived.
+
+    >>> gate.new_step()
+    >>> gate.submit([(mx.cpu(), 0)], [nd.array([1.0, 2.0])], 'update 1', scaler, 4.0)
+    [('update 1', True)]
     """
 
     def __init__(self, fused: Optional[bool] = None, check: Check = all_finite) -> None:

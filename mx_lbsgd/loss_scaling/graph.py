@@ -56,6 +56,45 @@ def scale_gradient(data: mx.sym.Symbol, key: str = 'default',
         net = mx_lbsgd.scale_gradient(net)
         net = mx.sym.SoftmaxOutput(net, name='softmax')
         mod.fit(train, optimizer='lssgd', optimizer_params={'loss_scaler': scaler, ...})
+
+    Parameters
+    ----------
+    data : mx.sym.Symbol
+    key : str, default 'default'
+        The loss-scaled optimizer's ``scale_key``: whose scaler's scale multiplies the
+        gradient.
+    name : str, optional
+        The operator's name.
+
+    Returns
+    -------
+    mx.sym.Symbol
+        The same values as `data`, with the scaling backward.
+
+    Raises
+    ------
+    RuntimeError
+        In backward, when no loss-scaled optimizer was created with `key`.
+
+    Examples
+    --------
+    With all-zero weights the softmax gives 0.5 per class; the bias gradient, multiplied by
+    the scale 256 in the graph, is divided by it again in the update:
+
+    >>> import mxnet as mx
+    >>> import mx_lbsgd
+    >>> net = mx.sym.FullyConnected(mx.sym.Variable('data'), num_hidden=2, name='fc')
+    >>> net = mx_lbsgd.scale_gradient(net, name='scaled')
+    >>> net = mx.sym.SoftmaxOutput(net, name='softmax')
+    >>> mod = mx.mod.Module(net, context=mx.cpu())
+    >>> mod.bind(data_shapes=[('data', (4, 3))], label_shapes=[('softmax_label', (4,))])
+    >>> mod.init_params(mx.init.Zero())
+    >>> mod.init_optimizer(optimizer='lssgd', optimizer_params={
+    ...     'learning_rate': 0.1, 'loss_scaler': mx_lbsgd.DynamicLossScaler(init_scale=256)})
+    >>> mod.forward_backward(mx.io.DataBatch([mx.nd.ones((4, 3))], [mx.nd.zeros((4,))]))
+    >>> mod.update()
+    >>> print(mod.get_params()[0]['fc_bias'].asnumpy().round(4))
+    [ 0.05 -0.05]
     """
     kwargs = {} if name is None else {'name': name}
     return mx.sym.Custom(data, op_type=_OP_TYPE, key=key, **kwargs)

@@ -72,6 +72,45 @@ class LossScaling(overflow.OverflowViews):
 
     After a skipped step ``last_overflow`` is an `OverflowReport` (None after a finite
     step); ``overflow_history`` and ``overflow_tally`` keep the recent ones.
+
+    Raises
+    ------
+    TypeError
+        `trainers` is not a gluon.Trainer or a non-empty list of them, or a number of the
+        wrong type.
+    ValueError
+        A trainer is a `ShardedTrainer`, its optimizer has a ``loss_scaler`` of its own,
+        ``max_grad_norm`` is negative or meets an optimizer that clips or accumulates
+        (``batch_scale > 1``) itself, or another argument is out of range. At the first
+        `step`: a trainer with ``update_on_kvstore=True``.
+
+    Examples
+    --------
+    Any optimizer (here MXNet's ``'sgd'``); float32 gradients need ``force=True`` (float16
+    ones are scaled without it):
+
+    >>> import mxnet as mx
+    >>> from mxnet import autograd, gluon, nd
+    >>> import mx_lbsgd
+    >>> net = gluon.nn.Dense(1, in_units=2, prefix='fc_')
+    >>> net.initialize(mx.init.One())
+    >>> trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1},
+    ...                         update_on_kvstore=False)
+    >>> scaling = mx_lbsgd.LossScaling(trainer, mx_lbsgd.DynamicLossScaler(init_scale=8.0),
+    ...                                force=True)
+    >>> def train_step(x):
+    ...     with autograd.record():
+    ...         loss = scaling.scale_loss(net(nd.array(x)).sum())
+    ...     loss.backward()
+    ...     return scaling.step(1)
+    >>> train_step([[1.0, 2.0]]), scaling.scale
+    (True, 8.0)
+    >>> print(net.weight.data().asnumpy().round(4))     # unscaled: w - 0.1 * gradient
+    [[0.9 0.8]]
+    >>> train_step([[float('inf'), 2.0]]), scaling.scale
+    (False, 4.0)
+    >>> print(scaling.last_overflow)
+    step 2 skipped (loss scale 8 -> 4): fc_weight inf (1).
     """
 
     def __init__(self, trainers: Union[mx.gluon.Trainer, Iterable[mx.gluon.Trainer]],
@@ -121,6 +160,7 @@ class LossScaling(overflow.OverflowViews):
 
     @property
     def scale(self) -> float:
+        """The loss scale to multiply the loss by (1.0 while scaling is off)."""
         return self.scaler.scale if self._is_active() else 1.0
 
     def _params(self, trainers: Optional[Sequence[mx.gluon.Trainer]] = None

@@ -45,7 +45,28 @@ TOP_OFFENDERS = 3
 
 class LossScaleFallingWarning(RuntimeWarning):
     """The loss scale keeps falling (see `DynamicLossScaler`'s warn_* settings).
-    ``offenders``: [(parameter name, skipped steps it overflowed in)], most first."""
+    ``offenders``: [(parameter name, skipped steps it overflowed in)], most first.
+
+    A `RuntimeWarning`: the optimizers and `LossScaling` warn with it once per descent
+    (``warnings.filterwarnings('error', category=mx_lbsgd.LossScaleFallingWarning)`` stops a
+    run there).
+
+    Parameters
+    ----------
+    message : str
+    offenders : iterable of (str, int), default ()
+
+    Examples
+    --------
+    >>> import warnings
+    >>> import mx_lbsgd
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter('always')
+    ...     warnings.warn(mx_lbsgd.LossScaleFallingWarning(
+    ...         'loss scale falling', [('fc_weight', 7), ('fc_bias', 2)]))
+    >>> caught[0].category.__name__, caught[0].message.offenders[0]
+    ('LossScaleFallingWarning', ('fc_weight', 7))
+    """
 
     def __init__(self, message: str, offenders: Iterable[Tuple[str, int]] = ()) -> None:
         super().__init__(message)
@@ -54,18 +75,45 @@ class LossScaleFallingWarning(RuntimeWarning):
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-    """One skipped loss-scaled step.
+    """One skipped loss-scaled step (a frozen dataclass; ``str()`` gives one line).
 
-    step: the loss scaler's step number (1-based, skipped steps included; with a window
-        at the Trainer one step is one window). scale: the scale the gradients carried;
-        scale_after: the scale after this step's backoff.
-    parameters: {name: 'inf' | 'nan' | 'inf+nan'}; counts: {name: non-finite elements},
-        both ordered by count, most first.
-    micro_batch: 1..batch_scale when batch_scale > 1 and it is known, else None.
-    rank, num_workers: this worker's rank under dist_sync or Horovod (None, 1 alone).
-    originated_here: True when this worker's own gradients held non-finite values before
-        the reduction, False when they did not, None when that cannot be known.
-    note: what was checked and what the reduction hid.
+    Parameters
+    ----------
+    step : int
+        The loss scaler's step number (1-based, skipped steps included; with a window
+        at the Trainer one step is one window).
+    scale : float
+        The scale the gradients carried.
+    scale_after : float
+        The scale after this step's backoff.
+    parameters : mapping
+        {name: 'inf' | 'nan' | 'inf+nan'}, ordered by count, most first.
+    counts : mapping
+        {name: non-finite elements}, in the same order.
+    micro_batch : int or None
+        1..batch_scale when batch_scale > 1 and it is known, else None.
+    rank, num_workers : int or None, int
+        This worker's rank under dist_sync or Horovod (None, 1 alone).
+    originated_here : bool or None
+        True when this worker's own gradients held non-finite values before the
+        reduction, False when they did not, None when that cannot be known.
+    note : str
+        What was checked and what the reduction hid.
+
+    Examples
+    --------
+    The optimizers and `LossScaling` make them (``last_overflow``, ``overflow_history``);
+    one by hand:
+
+    >>> import mx_lbsgd
+    >>> report = mx_lbsgd.OverflowReport(
+    ...     step=3, scale=65536.0, scale_after=32768.0,
+    ...     parameters={'fc_weight': 'inf+nan'}, counts={'fc_weight': 5},
+    ...     rank=1, num_workers=2)
+    >>> print(report)
+    step 3 skipped (loss scale 65536 -> 32768), rank 1 of 2: fc_weight inf+nan (5).
+    >>> dict(report.counts), report.originated_here
+    ({'fc_weight': 5}, None)
     """
     step: int
     scale: float
@@ -191,7 +239,16 @@ def _locate(*, flags: Dict[int, bool], micro_batch: Optional[int], num_workers: 
 
 class OverflowViews:
     """`last_overflow`, `overflow_history` and `overflow_tally` of an object that keeps its
-    reports in ``self._overflow`` (the loss-scaled optimizers and the LossScaling hook)."""
+    reports in ``self._overflow`` (the loss-scaled optimizers and the LossScaling hook).
+
+    Examples
+    --------
+    >>> import mx_lbsgd
+    >>> from mx_lbsgd.loss_scaling import OverflowViews
+    >>> opt = mx_lbsgd.LossScaledSGD()
+    >>> isinstance(opt, OverflowViews), opt.last_overflow, len(opt.overflow_history)
+    (True, None, 0)
+    """
 
     _overflow: OverflowMonitor
 
@@ -207,7 +264,7 @@ class OverflowViews:
 
     @property
     def overflow_tally(self) -> Counter[str]:
-        """{parameter name: skipped steps it overflowed in}."""
+        """How many skipped steps each parameter overflowed in, as a Counter (by name)."""
         return self._overflow.tally
 
 
@@ -218,7 +275,35 @@ class OverflowMonitor:
 
     A skipped step only launches the counting kernels; the host read waits until a report
     is looked at, logged (INFO enabled for 'mx_lbsgd'), warned about, or is about to leave
-    the history untallied."""
+    the history untallied.
+
+    Parameters
+    ----------
+    history_size : int >= 0, default 32
+        Reports kept in `history`.
+    log_interval : float >= 0, default 30
+        Seconds between two log records of skipped steps (logger 'mx_lbsgd', INFO).
+
+    Examples
+    --------
+    >>> from mxnet import nd
+    >>> from mx_lbsgd import DynamicLossScaler
+    >>> from mx_lbsgd.loss_scaling import OverflowMonitor
+    >>> scaler = DynamicLossScaler(init_scale=16.0)
+    >>> monitor = OverflowMonitor(history_size=4)
+    >>> grads = [('fc_weight', nd.array([1.0, float('inf'), float('nan')])),
+    ...          ('fc_bias', nd.array([0.5]))]
+    >>> scaler.update(found_overflow=True)
+    False
+    >>> monitor.skipped(scaler=scaler, scale=16.0, named_grads=grads)
+    >>> print(monitor.last)
+    step 1 skipped (loss scale 16 -> 8): fc_weight inf+nan (2).
+    >>> monitor.tally
+    Counter({'fc_weight': 1})
+    >>> monitor.finite()                     # a finite step: no last report
+    >>> monitor.last is None, len(monitor.history)
+    (True, 1)
+    """
 
     def __init__(self, history_size: int = HISTORY_SIZE,
                  log_interval: float = LOG_INTERVAL) -> None:
@@ -234,18 +319,22 @@ class OverflowMonitor:
 
     @property
     def last(self) -> Optional[OverflowReport]:
+        """The report of the last step if it was skipped, else None."""
         return None if self._last is None else self._last.report()
 
     @property
     def history(self) -> Deque[OverflowReport]:
+        """The last `history_size` reports, oldest first."""
         return collections.deque((p.report() for p in self._recent), maxlen=self.history_size)
 
     @property
     def tally(self) -> Counter[str]:
+        """How many skipped steps each parameter overflowed in, as a Counter (by name)."""
         self._settle(len(self._untallied))
         return self._tally
 
     def finite(self) -> None:
+        """Account a finite step (`last` becomes None)."""
         self._last = None
 
     def skipped(self, *, scaler: DynamicLossScaler, scale: float,

@@ -41,7 +41,23 @@ _log = logging.getLogger('mx_lbsgd')
 
 
 class LossScaleStuckError(FloatingPointError):
-    """Raised when every step overflows at `min_scale` for `stuck_patience` steps."""
+    """Raised when every step overflows at `min_scale` for `stuck_patience` steps.
+
+    Only with ``DynamicLossScaler(on_stuck='raise')`` (the default, 'warn', warns once).
+    A `FloatingPointError`.
+
+    Examples
+    --------
+    >>> import mx_lbsgd
+    >>> scaler = mx_lbsgd.DynamicLossScaler(init_scale=1.0, stuck_patience=2,
+    ...                                     on_stuck='raise')
+    >>> scaler.update(found_overflow=True)
+    False
+    >>> scaler.update(found_overflow=True)
+    Traceback (most recent call last):
+    ...
+    mx_lbsgd.loss_scaling.scaler.LossScaleStuckError: loss scale stuck at 1: 2 consecutive ...
+    """
 
 
 class DynamicLossScaler:
@@ -75,6 +91,37 @@ class DynamicLossScaler:
         off). A healthy run with growth_interval=2000 skips about 1 step in 2000.
     warn_window : int >= 1, default 1000
         Steps the skipped fraction is taken over (DeepSpeed's loss_scale_window).
+
+    Raises
+    ------
+    ValueError
+        An argument out of its range (``growth_factor <= 1``, ``backoff_factor`` outside
+        (0, 1), ``min_scale > max_scale``, ``init_scale`` outside [min_scale, max_scale],
+        an unknown ``on_stuck``, ...).
+    TypeError
+        A number of the wrong type (``growth_interval=2.5``).
+
+    Examples
+    --------
+    Back off on an overflow, grow after `growth_interval` finite steps:
+
+    >>> import mx_lbsgd
+    >>> scaler = mx_lbsgd.DynamicLossScaler(init_scale=1024, growth_interval=2)
+    >>> scaler.update(found_overflow=True)       # skip this step
+    False
+    >>> scaler.scale
+    512.0
+    >>> [scaler.update(found_overflow=False) for _ in range(2)]
+    [True, True]
+    >>> scaler
+    DynamicLossScaler(scale=1024, good=0, bad=0, skipped=1/3)
+
+    Its state resumes in another scaler:
+
+    >>> resumed = mx_lbsgd.DynamicLossScaler()
+    >>> resumed.load_state_dict(scaler.state_dict())
+    >>> resumed.scale, resumed.growth_interval, resumed.total_skipped
+    (1024.0, 2, 1)
     """
 
     _STATE = ('scale', 'num_good_steps', 'num_bad_steps', 'total_skipped', 'total_steps',
@@ -126,6 +173,7 @@ class DynamicLossScaler:
         self.reset()
 
     def reset(self) -> None:
+        """Back to `init_scale` (1 when disabled), every counter at 0."""
         self._scale = self.init_scale if self.enabled else 1.0
         self.num_good_steps = 0      # finite steps since the last scale change or overflow
         self.num_bad_steps = 0       # overflow steps counted towards hysteresis
@@ -149,7 +197,10 @@ class DynamicLossScaler:
         return self._scale
 
     def update(self, found_overflow: bool) -> bool:
-        """Account one step; returns True when the step is to be applied, False to skip."""
+        """Account one step; returns True when the step is to be applied, False to skip.
+
+        Raises `LossScaleStuckError` when ``on_stuck='raise'`` and the scale is stuck (see
+        the class docstring)."""
         if not self.enabled:
             return True
         self.total_steps += 1
@@ -260,6 +311,8 @@ class DynamicLossScaler:
         return {'config': config, 'state': state}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume a `state_dict` in place (configuration included). Raises ValueError,
+        before anything changes, when it is not a valid DynamicLossScaler state."""
         try:
             config, state = state_dict['config'], state_dict['state']
             fresh = DynamicLossScaler(**config)       # validates the configuration
@@ -294,7 +347,37 @@ class DynamicLossScaler:
 
 def as_scaler(value: DynamicLossScaler | float | None,
               name: str = 'loss_scaler') -> DynamicLossScaler:
-    """A DynamicLossScaler from an instance, a float (static scale) or None (defaults)."""
+    """A DynamicLossScaler from an instance, a float (static scale) or None (defaults).
+
+    Parameters
+    ----------
+    value : DynamicLossScaler, float or None
+        An instance is returned as it is; a number gives ``DynamicLossScaler.static(value)``
+        (a fixed scale that still skips overflow steps); None a scaler with the defaults.
+    name : str, default 'loss_scaler'
+        The argument's name, for the error message.
+
+    Returns
+    -------
+    DynamicLossScaler
+
+    Raises
+    ------
+    TypeError
+        `value` is none of those (a bool or a str, say).
+
+    Examples
+    --------
+    >>> from mx_lbsgd.loss_scaling import as_scaler
+    >>> as_scaler(128.0)
+    DynamicLossScaler(scale=128, good=0, bad=0, skipped=0/0)
+    >>> as_scaler(128.0).dynamic, as_scaler(None).scale
+    (False, 65536.0)
+    >>> as_scaler('big')
+    Traceback (most recent call last):
+    ...
+    TypeError: loss_scaler must be a DynamicLossScaler, a float (static scale) or None; got 'big'
+    """
     if value is None:
         return DynamicLossScaler()
     if isinstance(value, DynamicLossScaler):

@@ -66,7 +66,30 @@ StepNorms = Dict[Any, GradNorm]
 
 
 class GlobalNormClip:
-    """Measures the norms of one step (see the module docstring)."""
+    """Measures the norms of one step (see the module docstring).
+
+    Parameters
+    ----------
+    max_norm : float > 0
+        ``max_grad_norm``.
+    eps : float, default `CLIP_EPS`
+        Added to the norm before dividing.
+
+    Examples
+    --------
+    >>> import mxnet as mx
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.pipeline import GlobalNormClip
+    >>> clip = GlobalNormClip(max_norm=1.0)
+    >>> norms = clip.measure([nd.array([3.0]), nd.array([4.0])], factor=1.0)
+    >>> list(norms) == [mx.cpu()]
+    True
+    >>> norm = norms[mx.cpu()]          # a GradNorm: device values, no host read yet
+    >>> print(norm.norm().asnumpy(), norm.coefficient().asnumpy().round(4))
+    [5.] [0.2]
+    >>> GlobalNormClip.all_finite(norms)
+    True
+    """
 
     def __init__(self, max_norm: float, eps: float = CLIP_EPS) -> None:
         self.max_norm = float(max_norm)
@@ -143,8 +166,9 @@ class ClipViews:
 
     @property
     def last_grad_norm(self) -> Optional[nd.NDArray]:
-        """The global L2 norm of the gradient the last update applied, before clipping: a
-        (1,) float32 NDArray on the first device (reading its value waits for the step;
+        """The global L2 norm of the gradient the last update applied, before clipping.
+
+        A (1,) float32 NDArray on the first device (reading its value waits for the step;
         keeping it does not). None without ``max_grad_norm`` or before the first update.
         NaN or inf when that step's gradients were not finite (the update was skipped)."""
         last = self._last()

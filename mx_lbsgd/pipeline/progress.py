@@ -151,7 +151,7 @@ class ProgressViews:
 
     @property
     def micro_batches(self) -> int:
-        """Micro-batches counted so far (a skipped window is not counted): the warmup
+        """Micro-batches counted so far, a skipped window not counted. It is the warmup
         position, without ``begin_epoch * updates_per_epoch``."""
         return micro_batches(self)
 
@@ -163,7 +163,7 @@ class ProgressViews:
 
     @property
     def applied_updates(self) -> int:
-        """Updates that changed the weights: ``micro_batches // batch_scale``."""
+        """Updates that changed the weights, ``micro_batches // batch_scale``."""
         return self.micro_batches // self.batch_scale
 
     def lr_multiplier(self, position: Optional[int] = None) -> float:

@@ -59,10 +59,78 @@ from .window import InOptimizerWindow
 class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressViews,
                         ClipViews, StepProtocol, mx.optimizer.Optimizer):
     """Base of mx_lbsgd's optimizers; see the module docstring. Subclasses set
-    ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`."""
+    ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`.
 
-    #: what num_update (so an lr_scheduler) counts: micro-batches, as MXNet's LBSGD does
-    #: (False), or applied updates (True)
+    A preset calls ``super().__init__`` with its checked arguments, sets its own
+    hyperparameters, then calls ``self._build_pieces()``; unpickling calls
+    `_build_pieces` again (the pieces are never pickled).
+
+    Parameters
+    ----------
+    batch_scale : int >= 1
+        Micro-batches per update (keyword-only, as every parameter here).
+    fused : None or bool
+        Kernel path (``$MX_LBSGD_FUSED`` when None).
+    loss_scaler : DynamicLossScaler or None
+    count_skipped_steps : bool
+    scale_key : str
+    multi_precision : bool
+    overflow_history_size : int >= 0, default 32
+    overflow_log_interval : float >= 0, default 30
+    check_local_overflow : bool, default False
+    max_grad_norm : None or float >= 0
+    **kwargs
+        ``mx.optimizer.Optimizer``'s (``learning_rate``, ``wd``, ``rescale_grad``, ...).
+
+    Raises
+    ------
+    ValueError
+        An argument out of range (a negative ``learning_rate``, ``wd`` or
+        ``max_grad_norm``, ``fused`` not None/True/False, ...), or loss scaling or clipping
+        on a Module that updates on the kvstore.
+    TypeError
+        A number of the wrong type.
+
+    Examples
+    --------
+    A preset is a few lines: plain SGD, with MXNet SGD's kernel family, no warmup and no
+    trust ratio, run by a gluon Trainer:
+
+    >>> import mxnet as mx
+    >>> from mxnet import autograd, gluon, nd
+    >>> from mx_lbsgd.families import SGDFamily
+    >>> from mx_lbsgd.pipeline import PipelineOptimizer, Warmup
+    >>> class PlainSGD(PipelineOptimizer):
+    ...     def __init__(self, momentum=0.0, **kwargs):
+    ...         super().__init__(batch_scale=1, fused=None, loss_scaler=None,
+    ...                          count_skipped_steps=False, scale_key='default',
+    ...                          multi_precision=False, **kwargs)
+    ...         self.momentum = momentum
+    ...         self._build_pieces()
+    ...     def _build_pieces(self):
+    ...         super()._build_pieces()
+    ...         self._family = SGDFamily(self.momentum, lazy_update=True)
+    ...         self._warmup = Warmup(None, 0, 1, 0)
+    ...         self._trust = None
+    >>> net = gluon.nn.Dense(1, in_units=2)
+    >>> net.initialize(mx.init.One())
+    >>> trainer = gluon.Trainer(net.collect_params(), PlainSGD(learning_rate=0.1))
+    >>> with autograd.record():
+    ...     loss = net(nd.array([[1.0, 2.0]])).sum()
+    >>> loss.backward()
+    >>> trainer.step(1)
+    >>> print(net.weight.data().asnumpy().round(4))
+    [[0.9 0.8]]
+    >>> trainer.optimizer.applied_updates
+    1
+    >>> PlainSGD(learning_rate=-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: learning_rate must be in [0.0, inf); got -1.0
+    """
+
+    #: Whether num_update (what an lr_scheduler sees) counts applied updates (True) or
+    #: micro-batches, as MXNet's LBSGD does (False).
     counts_applied_updates = False
 
     #: attributes that are rebuilt, never pickled

@@ -25,6 +25,41 @@ Exclude = Union[Tuple[str, ...], Callable[[str], bool]]
 
 
 class TrustRatio:
+    """The LARS trust ratio of each layer, as a learning-rate multiplier (see the module
+    docstring). `LBSGD` makes one with ``lars=True``; `LAMB` one with ``eta=1`` for its
+    ``trust_exclude`` names (its kernels compute the ratio itself).
+
+    Parameters
+    ----------
+    eta : float > 0
+        Trust coefficient.
+    eps : float >= 0
+        Added to the denominator.
+    lars_min, lars_max : float
+        Clip range of the ratio.
+    exclude : tuple of str, or callable(name) -> bool
+        Layers left at ratio 1: name suffixes, or a predicate on the name.
+
+    Examples
+    --------
+    >>> import math
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.pipeline import DEFAULT_LARS_EXCLUDE, TrustRatio
+    >>> trust = TrustRatio(0.001, 0.0, 0.0, math.inf, DEFAULT_LARS_EXCLUDE)
+    >>> trust.applies('fc_weight'), trust.applies('fc_bias')
+    (True, False)
+
+    The rates of two layers on the device: ``0.1 * 0.001 * |w| / |g|`` = ``0.1 * 0.001 *
+    5 / 0.5`` for the first, the second kept (an excluded bias):
+
+    >>> rates = trust.lr_vector(
+    ...     weights=[nd.array([3.0, 4.0]), nd.array([1.0])],
+    ...     grads=[nd.array([0.3, 0.4]), nd.array([1.0])], lrs=[0.1, 0.1], wds=[0.0, 0.0],
+    ...     keep_lr=[False, True], rescale_grad=1.0)
+    >>> print(rates.asnumpy().round(6))
+    [0.001 0.1  ]
+    """
+
     def __init__(self, eta: float, eps: float, lars_min: float, lars_max: float,
                  exclude: Exclude) -> None:
         self.eta = eta
@@ -34,7 +69,10 @@ class TrustRatio:
         self.exclude = exclude
 
     def applies(self, name: Optional[str]) -> bool:
-        """Whether the layer called `name` gets a trust ratio (None: no names known)."""
+        """Whether the layer called `name` gets a trust ratio (None: no names known).
+
+        Raises ValueError when `name` is None and some layers are to be excluded (the
+        optimizer was given no parameter names)."""
         if name is None:
             if self.exclude:
                 raise ValueError(

@@ -15,7 +15,30 @@ from ..schedules import warmup_multiplier
 
 
 class Warmup:
-    """Multipliers of one warmup: `shape` from `schedules.WARMUP_SHAPES`, or None (1)."""
+    """Multipliers of one warmup: `shape` from `schedules.WARMUP_SHAPES`, or None (1).
+
+    Parameters
+    ----------
+    shape : str or None
+        A key of `mx_lbsgd.schedules.WARMUP_SHAPES`; None: no warmup (multiplier 1).
+    warmup_steps : float
+        Micro-batches the warmup takes (W).
+    batch_scale : int
+        The final multiplier (B).
+    offset : int
+        Micro-batches before this run (``begin_epoch * updates_per_epoch``).
+
+    Examples
+    --------
+    >>> from mx_lbsgd.pipeline import Warmup
+    >>> warmup = Warmup('linear', warmup_steps=4, batch_scale=8, offset=0)
+    >>> [warmup.multiplier(n) for n in range(6)]
+    [1.0, 2.75, 4.5, 6.25, 8.0, 8.0]
+    >>> warmup.scale_lrs([0.1, 0.1], positions=[1, 2])
+    [0.275, 0.45]
+    >>> Warmup(None, 4, 8, 0).multiplier(1)
+    1.0
+    """
 
     def __init__(self, shape: Optional[str], warmup_steps: float, batch_scale: int,
                  offset: int) -> None:
@@ -25,6 +48,7 @@ class Warmup:
         self.offset = offset
 
     def multiplier(self, position: int) -> float:
+        """The learning-rate multiplier at micro-batch `position` of this run."""
         if self.shape is None:
             return 1.0
         return warmup_multiplier(self.offset + position, self.warmup_steps,
