@@ -20,6 +20,10 @@ import pytest
 
 from harness import horovodrun
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                'docs', '_ext'))
+from apicheck import unresolved_names  # noqa: E402  (the docs build's own name check)
+
 pytestmark = pytest.mark.cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +83,22 @@ def _env():
 
 LOCAL = [p for p in pages() if any(e is None for _, e, _ in python_blocks(p))]
 JOBS = [(p, line, e) for p in pages() for line, e, _ in python_blocks(p) if e]
+
+
+@pytest.mark.parametrize('page', pages())
+def test_names_in_inline_code_exist(page):
+    """The check the docs build runs on its pages (docs/_ext/apicheck.py), here also on the
+    README, which the site does not include."""
+    with open(os.path.join(ROOT, page)) as f:
+        assert list(unresolved_names(f.read(), markdown=True)) == []
+
+
+def test_the_name_check_finds_a_missing_function():
+    text = ('Use `mx_lbsgd.LBSGD.set_learning_rate` and `mx_lbsgd.checkpoint.load_states(t, p)`,\n'
+            'not `mx_lbsgd.checkpoint.load_state(t, p)` or `mx_lbsgd_demo.nothing`.\n'
+            '```python\nmx_lbsgd.in_a_block_is_code_not_a_name\n```\n')
+    assert list(unresolved_names(text, markdown=True)) == [
+        (2, 'mx_lbsgd.checkpoint.load_state'), (2, 'mx_lbsgd_demo.nothing')]
 
 
 def test_the_docs_have_python_examples():

@@ -27,13 +27,16 @@ import inspect
 import os
 import re
 import types
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
 
-from sphinx.application import Sphinx
-from sphinx.environment import BuildEnvironment
-from sphinx.util import logging
+if TYPE_CHECKING:   # the test suite imports PUBLIC_MODULES from here without Sphinx installed
+    from sphinx.application import Sphinx
+    from sphinx.environment import BuildEnvironment
 
-logger = logging.getLogger(__name__)
+
+def _logger() -> Any:
+    from sphinx.util import logging
+    return logging.getLogger(__name__)
 
 #: The public import paths: their ``__all__`` is the public API the reference must cover.
 PUBLIC_MODULES = (
@@ -214,7 +217,7 @@ def _source_path(env: BuildEnvironment, docname: str) -> Optional[str]:
 
 def check_consistency(app: Sphinx, env: BuildEnvironment) -> None:
     for problem in missing_entries(env):
-        logger.warning('apicheck: %s', problem, type='apicheck', subtype='coverage')
+        _logger().warning('apicheck: %s', problem, type='apicheck', subtype='coverage')
     for docname in sorted(env.found_docs):
         path = _source_path(env, docname)
         if path is None:
@@ -222,7 +225,7 @@ def check_consistency(app: Sphinx, env: BuildEnvironment) -> None:
         with open(path, encoding='utf-8') as f:
             text = f.read()
         for number, name in unresolved_names(text, path.endswith('.md')):
-            logger.warning('apicheck: inline code names %s, which does not exist (no such '
+            _logger().warning('apicheck: inline code names %s, which does not exist (no such '
                            'module or attribute)', name, location=(docname, number),
                            type='apicheck', subtype='name')
 
@@ -231,7 +234,7 @@ def check_docstring(app: Sphinx, what: str, name: str, obj: Any, options: Any,
                     lines: List[str]) -> None:
     """autodoc-process-docstring: the same check on a rendered docstring's inline code."""
     for number, bad in unresolved_names('\n'.join(lines), markdown=False):
-        logger.warning('apicheck: the docstring of %s names %s in inline code, which does '
+        _logger().warning('apicheck: the docstring of %s names %s in inline code, which does '
                        'not exist (docstring line %d)', name, bad, number,
                        location=app.env.docname, type='apicheck', subtype='name')
 
