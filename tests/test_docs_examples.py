@@ -116,30 +116,35 @@ def test_page_examples_run(page, tmp_path):
     assert proc.stdout.count('docs-test: %s:' % page) == len(blocks)
 
 
+def _job_script(page, line, tmp_path):
+    """The block of `page` at `line`, alone, as a script for a 2-process job."""
+    script = tmp_path / 'example.py'
+    script.write_text(_script(page, [b for b in python_blocks(page) if b[0] == line]))
+    return str(script)
+
+
+def _ran_on_both(proc, page, line):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count('docs-test: %s:%d ran' % (page, line)) == 2
+
+
 @pytest.mark.multiprocess
 @pytest.mark.horovod
-@pytest.mark.parametrize('page,line,engine', [j for j in JOBS if j[2] == 'horovod'])
-def test_horovod_examples_run(page, line, engine, tmp_path):
-    block = [b for b in python_blocks(page) if b[0] == line]
-    script = tmp_path / 'example.py'
-    script.write_text(_script(page, block))
+@pytest.mark.parametrize('page,line', [(p, n) for p, n, e in JOBS if e == 'horovod'])
+def test_horovod_examples_run(page, line, tmp_path):
     proc = horovodrun([os.path.join(BIN, 'horovodrun'), '--gloo', '-np', '2', '-H',
-                       'localhost:2', sys.executable, str(script)], timeout=300,
-                      cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE,
+                       'localhost:2', sys.executable, _job_script(page, line, tmp_path)],
+                      timeout=300, cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert proc.stdout.count('docs-test: %s:%d ran' % (page, line)) == 2
+    _ran_on_both(proc, page, line)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize('page,line,engine', [j for j in JOBS if j[2] == 'dist_sync'])
-def test_dist_sync_examples_run(page, line, engine, tmp_path):
-    block = [b for b in python_blocks(page) if b[0] == line]
-    script = tmp_path / 'example.py'
-    script.write_text(_script(page, block))
+@pytest.mark.parametrize('page,line', [(p, n) for p, n, e in JOBS if e == 'dist_sync'])
+def test_dist_sync_examples_run(page, line, tmp_path):
     proc = subprocess.run([sys.executable, '-m', 'mx_lbsgd.launch', '-n', '2', '-s', '1',
-                           '--timeout', '240', '--', sys.executable, str(script)],
+                           '--timeout', '240', '--', sys.executable,
+                           _job_script(page, line, tmp_path)],
                           cwd=str(tmp_path), env=_env(), capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert proc.stdout.count('docs-test: %s:%d ran' % (page, line)) == 2
+    _ran_on_both(proc, page, line)
