@@ -496,3 +496,46 @@ def reduced_gradient_mean_factor(trainer: mx.gluon.Trainer) -> float:
     if kv is not None and 'dist' in kv.type:
         return 1.0 / kv.num_workers
     return 1.0
+
+
+# -- the native operators, loaded without touching MXNet's Python operator functions -------
+
+def registered_operator_names() -> set[str]:
+    """The names of every operator registered in MXNet's C++ registry (built in, or added by
+    a library loaded into the process)."""
+    import ctypes
+    from mxnet.base import _LIB, check_call, py_str
+    plist = ctypes.POINTER(ctypes.c_char_p)()
+    size = ctypes.c_uint()
+    check_call(_LIB.MXListAllOpNames(ctypes.byref(size), ctypes.byref(plist)))
+    return {py_str(plist[i]) for i in range(size.value)}
+
+
+def load_operator_library(path: str, names: tuple[str, ...]) -> dict[str, Callable[..., Any]]:
+    """Register the operators of the library at `path` with MXNet and return an ``mx.nd``
+    style function for each of `names`; no function of ``mx.nd``, ``mx.sym``, ``mx.np`` or
+    ``mx.npx`` is replaced, and none is added.
+
+    Why: the public ``mx.library.load`` calls ``MXLoadLib`` and then regenerates every
+    Python operator function of ``mx.nd`` and ``mx.sym`` (``_init_op_module``), so every
+    function object that ``contrib.amp.init()`` (or a user) wrapped is replaced by a fresh
+    unwrapped one, silently. This calls the same C function (``MXLoadLib``, checked on
+    MXNet 1.9.1, ``mxnet/library.py``) and then makes functions for the library's own
+    operators only, with the generator ``_init_op_module`` uses
+    (``mxnet.ndarray.register._make_ndarray_function``), so they dispatch through
+    ``_imperative_invoke`` exactly as MXNet's own. A library whose operators are already
+    registered (loaded before, by this or by ``mx.library.load``) is not loaded again.
+    """
+    import ctypes
+    from mxnet.base import _LIB, OpHandle, c_str, check_call, mx_uint
+    from mxnet.ndarray.register import _make_ndarray_function
+    if not set(names) <= registered_operator_names():
+        check_call(_LIB.MXLoadLib(ctypes.c_char_p(path.encode('utf-8')), mx_uint(0)))
+    functions = {}
+    for name in names:
+        handle = OpHandle()
+        check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(handle)))
+        function = _make_ndarray_function(handle, name, name)
+        function.__module__ = 'mx_lbsgd._native'
+        functions[name] = function
+    return functions

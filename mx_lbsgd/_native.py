@@ -1,10 +1,12 @@
 """The package's compiled CPU operators (``csrc/native_ops.cc``), loaded on first use.
 
 ``pip install`` builds ``mx_lbsgd/_native_ops*.so`` where a C++ compiler and MXNet's
-``lib_api.h`` are found; `ops` loads it with the public ``mx.library.load``, which adds
-``mx.nd.mx_lbsgd_sum_sq``, ``mx.nd.mx_lbsgd_all_finite``, ``mx.nd.mx_lbsgd_sgd_update``,
-``mx.nd.mx_lbsgd_lamb_update`` and ``mx.nd.mx_lbsgd_accumulate`` (whose output, with
-``check_finite=1``, is ``mx_lbsgd_all_finite``'s flag of the gradients it read).
+``lib_api.h`` are found; `ops` registers it with MXNet (`mx_lbsgd._compat.load_operator_library`)
+and keeps one function per operator: ``mx_lbsgd_sum_sq``, ``mx_lbsgd_all_finite``,
+``mx_lbsgd_sgd_update``, ``mx_lbsgd_lamb_update`` and ``mx_lbsgd_accumulate`` (whose output,
+with ``check_finite=1``, is ``mx_lbsgd_all_finite``'s flag of the gradients it read).
+Unlike ``mx.library.load``, loading changes no function of ``mx.nd``, ``mx.sym``, ``mx.np``
+or ``mx.npx``: ``contrib.amp``'s wrappers, and any a user put there, stay in place.
 Without the library, or with ``MX_LBSGD_NATIVE=0``, `ops` returns None and the kernel
 families run MXNet's own operators; ``MX_LBSGD_NATIVE=1`` makes a missing library an error
 (CI uses it to test the built path).
@@ -15,23 +17,28 @@ import glob
 import os
 from typing import Iterable
 
-import mxnet as mx
+from . import _compat
 
 _LIBRARY_GLOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), '_native_ops*.so')
 # [ops] once loading was tried; ops is None when it failed or is disabled
 _loaded: list[_Ops | None] = []
 
 
+_OPERATORS = ('mx_lbsgd_sum_sq', 'mx_lbsgd_all_finite', 'mx_lbsgd_sgd_update',
+              'mx_lbsgd_lamb_update', 'mx_lbsgd_accumulate')
+
+
 class _Ops:
-    """The loaded operators, as ``mx.nd`` functions."""
+    """The loaded operators, as ``mx.nd``-style functions (not attributes of ``mx.nd``)."""
 
     def __init__(self, path: str) -> None:
+        functions = _compat.load_operator_library(path, _OPERATORS)
         self.path = path
-        self.sum_sq = mx.nd.mx_lbsgd_sum_sq
-        self.all_finite = mx.nd.mx_lbsgd_all_finite
-        self.sgd_update = mx.nd.mx_lbsgd_sgd_update
-        self.lamb_update = mx.nd.mx_lbsgd_lamb_update
-        self.accumulate = mx.nd.mx_lbsgd_accumulate
+        self.sum_sq = functions['mx_lbsgd_sum_sq']
+        self.all_finite = functions['mx_lbsgd_all_finite']
+        self.sgd_update = functions['mx_lbsgd_sgd_update']
+        self.lamb_update = functions['mx_lbsgd_lamb_update']
+        self.accumulate = functions['mx_lbsgd_accumulate']
 
 
 def native_library() -> str | None:
@@ -74,8 +81,7 @@ def _library_path() -> str | None:
 
 def ops() -> _Ops | None:
     """The native operators, loaded once per process, or None (not built, or disabled by
-    ``MX_LBSGD_NATIVE=0``). Loading re-registers MXNet's Python operator functions (about
-    half a second, once)."""
+    ``MX_LBSGD_NATIVE=0``)."""
     if not _loaded:
         _loaded.append(_load())
     return _loaded[0]
@@ -94,6 +100,4 @@ def _load() -> _Ops | None:
                            "it); reinstall with g++ available, or unset MX_LBSGD_NATIVE")
     if setting == '0' or path is None:
         return None
-    if not hasattr(mx.nd, 'mx_lbsgd_accumulate'):
-        mx.library.load(path, verbose=False)
     return _Ops(path)

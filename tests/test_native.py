@@ -1,6 +1,7 @@
 """The native CPU operators (csrc/native_ops.cc) against the numpy reference and MXNet's own
-operators, and the routing that picks them. CI sets MX_LBSGD_NATIVE=1, so there a library
-that failed to build fails these tests instead of skipping them."""
+operators, and the routing that picks them. Where the library was not built these tests
+skip; CI's run then fails at its next step, which requires the library
+(MX_LBSGD_NATIVE=1)."""
 import os
 import subprocess
 import sys
@@ -224,6 +225,7 @@ def test_native_library_can_be_disabled_and_required():
 
 
 @needs_native
+@pytest.mark.horovod
 def test_loads_after_horovods_mxnet_binding():
     """Horovod's binding, imported first, once made mx.library.load crash (fixed by linking
     with -Bsymbolic)."""
