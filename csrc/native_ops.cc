@@ -1,4 +1,4 @@
-// mx_lbsgd's native CPU operators, loaded at run time with mx.library.load.
+// mx_lbsgd's native CPU operators, registered at run time through MXNet's MXLoadLib.
 //
 // MXNet 1.9.1's CPU norms read at a fraction of the memory bandwidth (multi_sum_sq, norm),
 // and its LAMB runs four passes per tensor plus two norms. These operators read each array
@@ -12,7 +12,8 @@
 //   mx_lbsgd_sgd_update(w.., g.. [, mom..] [, w32..] [, lr_vector]) -> (1,) float32 zero,
 //       updating w, mom (and w32) in place: MXNet's sgd_update / sgd_mom_update (and mp_*)
 //       arithmetic in one pass over every tensor; with lr_vector (LARS rates on the
-//       device) the preloaded_multi_sgd_* arithmetic
+//       device) the preloaded_multi_sgd_* arithmetic; with nesterov=1 and momentum,
+//       MXNet's nag_mom_update (and mp_nag_mom_update) arithmetic
 //   mx_lbsgd_accumulate(acc.., g..)                         -> (1,) float32 zero, or
 //       with check_finite=1 the mx_lbsgd_all_finite flag of the gradients it read: one
 //       micro-batch of an accumulation window added into float32 accumulators (or the
@@ -245,6 +246,27 @@ HOT void sgd_block(const SgdHyper& h, float lr, float wd, const float* g, float*
 
 using SgdBlock = void (*)(const SgdHyper&, float, float, const float*, float*, float*, int64_t);
 
+// nag_mom_update, in its operation order. MXNet's kernel writes the new weight before it
+// updates the momentum and reads the weight again for the momentum's weight decay; the
+// optimizer updates in place (out is the weight, or the master copy of mp_nag_mom_update),
+// so the momentum's decay term sees the new weight:
+//   m = momentum*mom;  w' = w - m + (momentum+1)*(m - lr*(g' + wd*w));
+//   mom = m - lr*(g' + wd*w')            with g' = clip(rescale*g)
+template <bool Clip>
+HOT void nag_block(const SgdHyper& h, float lr, float wd, const float* g, float* mom, float* w,
+                   int64_t n) {
+  const float momentum_plus_1 = h.momentum + 1.f;
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) {
+    const float gr = Clip ? std::max(-h.clip, std::min(h.clip, h.rescale * g[k]))
+                          : h.rescale * g[k];
+    const float m = h.momentum * mom[k];
+    const float w_new = w[k] - m + momentum_plus_1 * (m - lr * (gr + wd * w[k]));
+    mom[k] = m - lr * (gr + wd * w_new);
+    w[k] = w_new;
+  }
+}
+
 template <bool Momentum, bool MultiForm>
 SgdBlock pick_sgd_block(bool clip) {
   return clip ? sgd_block<Momentum, MultiForm, true> : sgd_block<Momentum, MultiForm, false>;
@@ -337,7 +359,10 @@ MXReturnValue sgd_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   const float* lr_vector = l.preloaded ? (*in)[l.lr_vector()].data<float>() : nullptr;
   // the preloaded (LARS) kernels and momentum use the multi_sgd form; plain per-tensor
   // sgd_update its own
-  const SgdBlock block = l.momentum ? pick_sgd_block<true, true>(h.clip >= 0.f)
+  const bool nesterov = l.momentum && attrs.count("nesterov") &&
+                        std::stoi(attrs.at("nesterov")) != 0;
+  const SgdBlock block = nesterov ? (h.clip >= 0.f ? nag_block<true> : nag_block<false>)
+      : l.momentum ? pick_sgd_block<true, true>(h.clip >= 0.f)
       : l.preloaded ? pick_sgd_block<false, true>(h.clip >= 0.f)
                     : pick_sgd_block<false, false>(h.clip >= 0.f);
   const Split split(*in, n);

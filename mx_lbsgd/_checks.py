@@ -44,3 +44,10 @@ def check_real(name: str, value: object, minimum: float | None = None,
         raise ValueError('%s must be in %s, %s; got %r'
                          % (name, low or '(-inf', high or 'inf)', value))
     return float(value)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Raise TypeError naming `name` unless `value` is True or False (not 0/1 or None)."""
+    if not isinstance(value, bool):
+        raise TypeError('%s must be True or False; got %r' % (name, value))
+    return value

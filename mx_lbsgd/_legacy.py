@@ -4,7 +4,8 @@
   pickled as ``mx_lbsgd.lbsgd._Ledger``) and pickled its optimizers with a ``_gate`` of
   class ``mx_lbsgd._step_gate._StepGate`` and a few attributes of its own;
 - later versions pickled the per-step attributes ``window_phase``/``window_position`` and a
-  ``_kvstore_refusal`` flag, and lacked ``lazy_update`` and ``lars``.
+  ``_kvstore_refusal`` flag, and lacked ``lazy_update`` and ``lars``
+  (and ``nesterov``, read as False).
 
 `checkpoint.load_states` converts such files (`strip_ledgers`); the optimizers' own
 ``__setstate__`` calls `upgrade_optimizer_state`.
@@ -53,6 +54,7 @@ def upgrade_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     state.setdefault('lazy_update', True)
     if 'warmup_strategy' in state:
         state.setdefault('lars', state['warmup_strategy'] == 'lars')
+        state.setdefault('nesterov', False)
     return state
 
 

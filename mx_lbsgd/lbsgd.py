@@ -1,14 +1,36 @@
 """`LBSGD`: large-batch SGD with warmup, LARS, gradient accumulation and fp32 master weights."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ._checks import check_choice, check_int, check_real
+from ._checks import check_bool, check_choice, check_int, check_real
 from ._legacy import Ledger as _Ledger  # noqa: F401  (mx_lbsgd 0.1 files pickle this name)
 from .families import SGDFamily
 from .loss_scaling import DynamicLossScaler, as_scaler
 from .pipeline import DEFAULT_LARS_EXCLUDE, PipelineOptimizer, TrustRatio, Warmup
 from .schedules import WARMUP_SHAPES, WARMUP_STRATEGIES
+
+#: MXNet LBSGD's ``updates_per_epoch`` default, used when none is given
+_MXNET_UPDATES_PER_EPOCH = 32
+
+
+def _updates_per_epoch(value: Optional[int], warmup_strategy: str, warmup_epochs: float,
+                       batch_scale: int) -> int:
+    """`value` checked, or MXNet's default; a warning when that default decides the length
+    of a warmup (one that changes the learning rate: a shape, epochs > 0, batch_scale > 1)."""
+    if value is not None:
+        return check_int('updates_per_epoch', value, 1)
+    if warmup_strategy in WARMUP_SHAPES and warmup_epochs > 0 and batch_scale > 1:
+        warnings.warn(
+            'LBSGD: warmup_strategy=%r rises over warmup_epochs * updates_per_epoch '
+            "micro-batches, and updates_per_epoch was not given, so MXNet's default of %d "
+            'applies: the warmup takes %g micro-batches (warmup_epochs=%g) whatever the '
+            'length of your epochs. Pass updates_per_epoch=<micro-batches per epoch>, e.g. '
+            'len(train_data)' % (warmup_strategy, _MXNET_UPDATES_PER_EPOCH,
+                                 warmup_epochs * _MXNET_UPDATES_PER_EPOCH, warmup_epochs),
+            UserWarning, stacklevel=4)
+    return _MXNET_UPDATES_PER_EPOCH
 
 
 class LBSGD(PipelineOptimizer):
@@ -34,8 +56,15 @@ class LBSGD(PipelineOptimizer):
         if lars and layer not excluded:
             mult *= clip(lars_eta * |w| / (|r * g| + wd * |w| + lars_eps),
                          lars_min, lars_max)            # 1 where |w| == 0 or |g| == 0
-        mom = momentum * mom - lr * mult * (clip(r * g, clip_gradient) + wd * w)
-        w = w + mom
+        g = clip(r * g, clip_gradient)
+        if not nesterov:                                 # MXNet's SGD (sgd_mom_update)
+            mom = momentum * mom - lr * mult * (g + wd * w)
+            w = w + mom
+        else:                                            # MXNet's NAG (nag_mom_update)
+            m = momentum * mom
+            w_new = w - m + (momentum + 1) * (m - lr * mult * (g + wd * w))
+            mom = m - lr * mult * (g + wd * w_new)       # MXNet's order: the new weight
+            w = w_new
 
     Under a gluon ``Trainer`` (kvstore updates on the workers, or no kvstore, or horovod's
     ``DistributedTrainer``) the window is kept at the Trainer's reduction instead: the
@@ -46,7 +75,9 @@ class LBSGD(PipelineOptimizer):
     (state ``(mom, weight_fp32)`` as in ``mx.optimizer.SGD``) cast back to the fp16 weight.
     States are laid out exactly as ``mx.optimizer.SGD``'s (``mom``, ``(mom, weight_fp32)``
     or None), with the float32 accumulator appended when ``batch_scale > 1``: at
-    ``batch_scale=1`` they load into ``SGD`` (and MXNet's ``LBSGD``) and back.
+    ``batch_scale=1`` they load into ``SGD`` (and MXNet's ``LBSGD``) and back. With
+    ``nesterov=True`` they are ``mx.optimizer.NAG``'s (the momentum always dense), and at
+    ``batch_scale=1`` without warmup or LARS the weights are ``'nag'``'s bit for bit.
 
     It is a preset of the update pipeline (`mx_lbsgd.pipeline`): the SGD kernel family, a
     warmup, and a trust ratio when ``lars``.
@@ -65,7 +96,13 @@ class LBSGD(PipelineOptimizer):
     disabling warmup. ``lars`` with the clip range open matches
     ``mx.optimizer.LARS(momentum_correction=False)``. Compared with PyTorch's
     ``torch.optim.SGD``: MXNet's momentum form (lr inside the momentum buffer), weight decay
-    added to the gradient, no dampening or Nesterov.
+    added to the gradient, no dampening. Nesterov momentum (``nesterov=True``) is MXNet
+    NAG's rule, Sutskever et al., "On the importance of initialization and momentum in deep
+    learning" (ICML 2013): the same step as torch's ``nesterov=True`` for a constant lr
+    and no weight decay, but with lr inside the buffer (a changing lr applies at once)
+    and the momentum's weight-decay term taken at the new weight, as MXNet's kernel does;
+    it combines with warmup, LARS (the trust ratio scales lr in both terms), the window,
+    fp16 master copies and clipping.
 
     Besides those of ``mx.optimizer.Optimizer`` (``learning_rate``, ``wd``,
     ``rescale_grad``, ``clip_gradient``, ``lr_scheduler``, ``param_idx2name``, ...):
@@ -73,6 +110,9 @@ class LBSGD(PipelineOptimizer):
     Parameters
     ----------
     momentum : float in [0, 1)
+    nesterov : bool, default False
+        Nesterov momentum with MXNet NAG's update rule (``'nag'``, ``nag_mom_update``);
+        no effect without momentum (NAG then runs ``sgd_update``, as this does).
     multi_precision : bool
         Keep fp32 master weights (and fp32 momentum) for float16 weights.
     warmup_strategy : one of `mx_lbsgd.WARMUP_STRATEGIES` ('linear', 'power2', 'sqrt', 'lars')
@@ -80,8 +120,10 @@ class LBSGD(PipelineOptimizer):
     warmup_epochs : float >= 0
     batch_scale : int >= 1
         Micro-batches per update; also the final learning-rate multiplier of the warmup.
-    updates_per_epoch : int >= 1
+    updates_per_epoch : None or int >= 1
         Micro-batches per epoch (warmup length W = warmup_epochs * updates_per_epoch).
+        None: MXNet's default of 32, with a UserWarning when that decides a warmup's
+        length (a warmup shape, ``warmup_epochs > 0`` and ``batch_scale > 1``).
     begin_epoch : int >= 0
         Epoch the run starts from: the warmup position starts at begin_epoch * updates_per_epoch.
     num_epochs : int >= 1
@@ -186,19 +228,22 @@ class LBSGD(PipelineOptimizer):
 
     def __init__(self, momentum: float = 0.0, multi_precision: bool = False,
                  warmup_strategy: str = 'linear', warmup_epochs: float = 5,
-                 batch_scale: int = 1, updates_per_epoch: int = 32, begin_epoch: int = 0,
+                 batch_scale: int = 1, updates_per_epoch: Optional[int] = None,
+                 begin_epoch: int = 0,
                  num_epochs: int = 60, lars: Optional[bool] = None, lars_eta: float = 0.001,
                  lars_eps: float = 0.0, lars_min: float = 0.0, lars_max: float = float('inf'),
                  lars_exclude: Union[None, Sequence[str], Callable[[str], bool]] = None,
                  fused: Optional[bool] = None,
                  loss_scaler: Union[DynamicLossScaler, float, None] = None,
                  count_skipped_steps: bool = False, scale_key: str = 'default',
-                 lazy_update: bool = True, **kwargs: Any) -> None:
+                 lazy_update: bool = True, nesterov: bool = False, **kwargs: Any) -> None:
         check_real('momentum', momentum, 0.0, 1.0, open_max=True)
+        check_bool('nesterov', nesterov)
         check_choice('warmup_strategy', warmup_strategy, WARMUP_STRATEGIES)
         check_real('warmup_epochs', warmup_epochs, 0.0)
         check_int('batch_scale', batch_scale, 1)
-        check_int('updates_per_epoch', updates_per_epoch, 1)
+        per_epoch = _updates_per_epoch(updates_per_epoch, warmup_strategy, warmup_epochs,
+                                       batch_scale)
         check_int('begin_epoch', begin_epoch, 0)
         check_int('num_epochs', num_epochs, 1)
         if lars is not None and not isinstance(lars, bool):    # (1 == True)
@@ -227,7 +272,7 @@ class LBSGD(PipelineOptimizer):
         self.momentum = float(momentum)
         self.warmup_strategy = warmup_strategy
         self.warmup_epochs = warmup_epochs
-        self.updates_per_epoch = int(updates_per_epoch)
+        self.updates_per_epoch = per_epoch
         self.begin_epoch = int(begin_epoch)
         self.init_updates = self.begin_epoch * self.updates_per_epoch
         self.num_epochs = int(num_epochs)
@@ -240,11 +285,12 @@ class LBSGD(PipelineOptimizer):
                              else lars_exclude if callable(lars_exclude)
                              else tuple(lars_exclude))
         self.lazy_update = bool(lazy_update)
+        self.nesterov = nesterov
         self._build_pieces()
 
     def _build_pieces(self) -> None:
         super()._build_pieces()
-        self._family = SGDFamily(self.momentum, self.lazy_update)
+        self._family = SGDFamily(self.momentum, self.lazy_update, self.nesterov)
         self._warmup = Warmup(self.warmup_strategy if self.warmup_strategy in WARMUP_SHAPES
                               else None, self.warmup_epochs * self.updates_per_epoch,
                               self.batch_scale, self.init_updates)

@@ -41,17 +41,29 @@ def lars_factor(w, g, wd, eta, eps, rescale, lo=0.0, hi=math.inf):
     return float(min(max(eta * wn / (gn + wd * wn + eps), lo), hi))
 
 
-def sgd_step(w, g, mom, lr, wd, momentum, rescale, clip, rows=None):
+def sgd_step(w, g, mom, lr, wd, momentum, rescale, clip, rows=None, nesterov=False):
     """MXNet's sgd_mom_update / sgd_update in float64; returns (w, mom). With `rows`
     (lazy update of a row_sparse gradient) only those rows change::
 
         g = clip(rescale * g, clip)              # no clip when clip is None or <= 0
         mom = momentum * mom - lr * (g + wd * w);  w = w + mom      (momentum > 0)
         w = w - lr * (g + wd * w)                                   (momentum = 0)
+
+    With `nesterov` and momentum, MXNet NAG's rule as MXNet 1.9.1's own test of
+    ``mx.optimizer.NAG`` (tests/python/unittest/test_optimizer.py, PyNAG) states it: the
+    weight first, then the momentum, whose decay term sees the new weight::
+
+        w = w + momentum ** 2 * mom - lr * (momentum + 1) * (g + wd * w)
+        mom = momentum * mom - lr * (g + wd * w)
     """
     g = rescale * np.asarray(g, dtype=np.float64)
     if clip is not None and clip > 0:
         g = np.clip(g, -clip, clip)
+    if nesterov and momentum > 0:
+        new_w = w + momentum ** 2 * mom - lr * (momentum + 1) * (g + wd * w)
+        new_mom = momentum * mom - lr * (g + wd * new_w)
+        assert rows is None, 'NAG has no lazy update'
+        return new_w, new_mom
     step = -lr * (g + wd * w)
     new_mom = momentum * mom + step if momentum > 0 else mom
     new_w = w + new_mom if momentum > 0 else w + step
@@ -80,7 +92,7 @@ class LBSGDReference:
                  warmup_epochs=5, updates_per_epoch=32, begin_epoch=0, rescale=1.0,
                  clip=None, eta=0.001, eps=0.0, lars_min=0.0, lars_max=math.inf,
                  exclude=('bias', 'gamma', 'beta'), lr_mults=None, wd_mults=None, lars=None,
-                 max_grad_norm=None):
+                 max_grad_norm=None, nesterov=False):
         self.w = [np.array(x, dtype=np.float64) for x in weights]
         self.mom = [np.zeros_like(x) for x in self.w]
         self.acc = [np.zeros_like(x) for x in self.w]
@@ -92,7 +104,7 @@ class LBSGDReference:
                              eta=eta, eps=eps, lars_min=lars_min, lars_max=lars_max,
                              exclude=exclude, lr_mults=lr_mults or {}, wd_mults=wd_mults or {},
                              lars=strategy == 'lars' if lars is None else lars,
-                             max_grad_norm=max_grad_norm)
+                             max_grad_norm=max_grad_norm, nesterov=nesterov)
         self.coefficients = []     # the clip coefficient of each update
 
     def step(self, grads):
@@ -113,7 +125,8 @@ class LBSGDReference:
                 lr *= lars_factor(self.w[i], g, wd, self.eta, self.eps, self.rescale,
                                   self.lars_min, self.lars_max)
             self.w[i], self.mom[i] = sgd_step(self.w[i], g, self.mom[i], lr, wd,
-                                              self.momentum, self.rescale, self.clip)
+                                              self.momentum, self.rescale, self.clip,
+                                              nesterov=self.nesterov)
             self.acc[i] = np.zeros_like(self.w[i])
 
 
@@ -126,15 +139,18 @@ def _numpy_sgd():
     import mxnet as mx
 
     class NumpySGD(mx.optimizer.Optimizer):
-        """`sgd_step` as an MXNet Optimizer (MXNet's SGD semantics on dense values). With
+        """`sgd_step` as an MXNet Optimizer (MXNet's SGD, or with nesterov NAG, semantics on
+        dense values). With
         multi_precision and float16 weights the math runs on an fp32 master copy (state
         (mom or None, master)) and the weight is the master cast to float16. lazy_rows:
         only rows whose gradient is not all zero change."""
 
-        def __init__(self, momentum=0.0, multi_precision=False, lazy_rows=False, **kwargs):
+        def __init__(self, momentum=0.0, multi_precision=False, lazy_rows=False,
+                     nesterov=False, **kwargs):
             super().__init__(multi_precision=multi_precision, **kwargs)
             self.momentum = momentum
             self.lazy_rows = lazy_rows
+            self.nesterov = nesterov
 
         def create_state_multi_precision(self, index, weight):
             mom_dtype = np.float32 if self.multi_precision else weight.dtype
@@ -156,7 +172,7 @@ def _numpy_sgd():
                     if self.lazy_rows else None)
             m0 = mom.asnumpy().astype(np.float64) if self.momentum else None
             w, m = sgd_step(w, g, m0, lr, wd, self.momentum, self.rescale_grad,
-                            self.clip_gradient, rows=rows)
+                            self.clip_gradient, rows=rows, nesterov=self.nesterov)
             if self.momentum:
                 mom[:] = m.astype(mom.dtype)
             target[:] = w.astype(target.dtype)

@@ -1,8 +1,8 @@
 """The accumulation window on every path: optimizer x dtype x batch_scale x kernel path x
 entry, against the numpy float64 reference (tests/reference.py).
 
-- optimizers: 'lbsgd' (linear warmup), 'lbsgd' with LARS, 'lssgd' (loss scaling, B=1 only),
-  'lblamb';
+- optimizers: 'lbsgd' (linear warmup), 'lbsgd' with LARS, 'lbsgd' with LARS and Nesterov
+  momentum, 'lssgd' (loss scaling, B=1 only), 'lblamb';
 - dtypes: float32; float16 weights with fp32 master copies (multi_precision);
 - batch_scale 1 and 4;
 - kernel paths: fused=None (the native operators when built, else MXNet's operators routed
@@ -43,6 +43,10 @@ OPTIMIZERS = {
                             warmup_epochs=1, updates_per_epoch=4)),
     'lars': ('lbsgd', dict(learning_rate=0.1, momentum=0.9, wd=1e-3, warmup_strategy='linear',
                            warmup_epochs=1, updates_per_epoch=4, lars=True)),
+    # Nesterov momentum (MXNet NAG's rule) with warmup and LARS
+    'nag-lars': ('lbsgd', dict(learning_rate=0.1, momentum=0.9, wd=1e-3,
+                               warmup_strategy='linear', warmup_epochs=1,
+                               updates_per_epoch=4, lars=True, nesterov=True)),
     'lssgd': ('lssgd', dict(learning_rate=0.1, momentum=0.9, wd=1e-3)),
     'lblamb': ('lblamb', dict(learning_rate=0.01, wd=0.01)),
 }
@@ -228,7 +232,7 @@ def _reference(opt, batch_scale, start, micro, wd_mults, max_grad_norm=None):
                          B=batch_scale, warmup_epochs=args.get('warmup_epochs', 0),
                          updates_per_epoch=args.get('updates_per_epoch', 32),
                          rescale=RESCALE, lars=bool(args.get('lars')), wd_mults=wd_mults,
-                         max_grad_norm=max_grad_norm)
+                         max_grad_norm=max_grad_norm, nesterov=bool(args.get('nesterov')))
     for grads in micro:
         ref.step(grads)
     return ref.w, ref.coefficients

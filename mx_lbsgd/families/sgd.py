@@ -8,8 +8,22 @@ non-default storage one by one. The native kernel's results are MXNet's operator
 bit (``tests/test_native.py``).
 Per tensor, with ``lr`` either a float or an entry of a device vector (LARS)::
 
-    mom = momentum * mom - lr * (clip(c * rescale_grad * g, clip_gradient) + wd * w)
-    w = w + mom                         # w: the fp32 master copy when there is one
+    g' = clip(c * rescale_grad * g, clip_gradient)
+    if not nesterov:                    # MXNet's sgd_mom_update
+        mom = momentum * mom - lr * (g' + wd * w)
+        w = w + mom                     # w: the fp32 master copy when there is one
+    else:                               # MXNet's nag_mom_update (NAG)
+        m = momentum * mom
+        w_new = w - m + (momentum + 1) * (m - lr * (g' + wd * w))
+        mom = m - lr * (g' + wd * w_new)
+        w = w_new
+
+NAG's momentum term decays with the new weight: MXNet's kernel writes the weight in place
+before it reads it again for the momentum, and every kernel here keeps that order, so
+``nesterov=True`` gives MXNet's ``'nag'`` bit for bit. MXNet has no multi-tensor or
+preloaded (device learning rate) NAG operator: with ``nesterov`` the multi-tensor path runs
+``nag_mom_update`` per tensor, and device rates (LARS, clipping) run the rule above as
+elementwise operators.
 
 ``c`` is 1, or with global-norm clipping the `GradNorm` coefficient: the native kernel
 multiplies its rescale_grad by it; MXNet's operators take ``lr * c`` and ``wd / c`` as
@@ -69,10 +83,26 @@ def _device_rates(weights: Arrays, lrs: Floats, wds: Floats, lr_vector: Optional
 _SMALLEST_COEFFICIENT = 1e-30
 
 
+def _nag_device_rates(target: nd.NDArray, g: nd.NDArray, m: nd.NDArray, lr: nd.NDArray,
+                      wd: nd.NDArray, momentum: float, rescale_grad: float,
+                      clip_gradient: Optional[float]) -> None:
+    """nag_mom_update's rule with the learning rate and weight decay as (1,) device arrays
+    (LARS rates, clipping's ``lr * c`` and ``wd / c``), in its operation order, in place."""
+    grad = g * rescale_grad
+    if clip_gradient:
+        grad = nd.clip(grad, -clip_gradient, clip_gradient)
+    m_decayed = m * momentum
+    step = nd.broadcast_mul(lr, grad + nd.broadcast_mul(wd, target))
+    new = target - m_decayed + (momentum + 1.0) * (m_decayed - step)
+    nd.broadcast_sub(m_decayed, nd.broadcast_mul(lr, grad + nd.broadcast_mul(wd, new)), out=m)
+    new.copyto(target)
+
+
 def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
                        lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
-                       momentum: float, rescale_grad: float, clip_gradient: Optional[float],
-                       scratch: dict, grad_norm: Optional[GradNorm]) -> None:
+                       momentum: float, nesterov: bool, rescale_grad: float,
+                       clip_gradient: Optional[float], scratch: dict,
+                       grad_norm: Optional[GradNorm]) -> None:
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
     lr_vector, wd_vector = _device_rates(weights, lrs, wds, lr_vector, grad_norm)
     for i, (w, g, m, w32) in enumerate(zip(weights, grads, moms, masters)):
@@ -81,11 +111,22 @@ def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters
             g = _kernels.cast_into(g, w32.dtype, scratch)
         target = w if (w32 is None or native) else w32
         tensors = [target, g] + ([] if m is None else [m]) + ([w32] if native else [])
+        nag = nesterov and m is not None
         if lr_vector is None:
             op = {(False, False): nd.sgd_update, (False, True): nd.sgd_mom_update,
                   (True, False): nd.mp_sgd_update,
                   (True, True): nd.mp_sgd_mom_update}[(native, m is not None)]
+            if nag:
+                op = nd.mp_nag_mom_update if native else nd.nag_mom_update
             op(*tensors, out=target, lr=lrs[i], wd=wds[i], **kwargs)
+        elif nag:
+            if native:          # fp16 weight and gradient on a GPU: the rule on fp32 copies
+                target, g = w32, g.astype('float32')
+            _nag_device_rates(target, g, m, lr_vector[i:i + 1],
+                              wd_vector[i:i + 1],  # type: ignore[index]  # set with lr_vector
+                              momentum, rescale_grad, clip_gradient)
+            if native:
+                nd.Cast(w32, dtype=w.dtype, out=w)
         else:
             _preloaded(native, m is not None)(
                 *tensors, lr_vector[i:i + 1],
@@ -97,7 +138,7 @@ def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters
 
 def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
                 lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray], momentum: float,
-                rescale_grad: float, clip_gradient: Optional[float],
+                nesterov: bool, rescale_grad: float, clip_gradient: Optional[float],
                 scratch: dict,  # pylint: disable=unused-argument
                 grad_norm: Optional[GradNorm]) -> None:
     """Every tensor in one call of the native ``mx_lbsgd_sgd_update``: one pass over
@@ -114,7 +155,8 @@ def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
     clip = {} if grad_norm is None else grad_norm.native_attrs()
     _native.ops().sgd_update(  # type: ignore[union-attr]  # chosen only when ops() is set
         *arrays, **clip, num_tensors=len(weights), has_momentum=int(with_mom),
-        momentum=momentum if with_mom else 0.0, multi_precision=int(mp),
+        momentum=momentum if with_mom else 0.0, nesterov=int(nesterov and with_mom),
+        multi_precision=int(mp),
         preloaded=int(lr_vector is not None), lrs=_native.attribute_list(lrs),
         wds=_native.attribute_list(wds),
         rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient))
@@ -130,9 +172,15 @@ def _preloaded(mp: bool, with_mom: bool) -> Callable[..., Any]:
 
 def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
                       lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
-                      momentum: float, rescale_grad: float, clip_gradient: Optional[float],
-                      scratch: dict,  # pylint: disable=unused-argument
+                      momentum: float, nesterov: bool, rescale_grad: float,
+                      clip_gradient: Optional[float], scratch: dict,
                       grad_norm: Optional[GradNorm]) -> None:
+    if nesterov and moms[0] is not None:        # MXNet has no multi-tensor NAG operator
+        _single_tensor_sgd(weights=weights, grads=grads, moms=moms, masters=masters, lrs=lrs,
+                           wds=wds, lr_vector=lr_vector, momentum=momentum, nesterov=True,
+                           rescale_grad=rescale_grad, clip_gradient=clip_gradient,
+                           scratch=scratch, grad_norm=grad_norm)
+        return
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
     # fp16 gradients with master copies: the mp_* kernels (one scratch buffer cannot hold
     # the fp32 casts of a whole chunk)
@@ -167,7 +215,7 @@ def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters:
 
 
 def _sparse_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
-                lrs: Floats, wds: Floats, momentum: float, rescale_grad: float,
+                lrs: Floats, wds: Floats, momentum: float, nesterov: bool, rescale_grad: float,
                 clip_gradient: Optional[float], lazy_update: bool) -> None:
     """One tensor at a time with MXNet's sgd_update / sgd_mom_update and `lazy_update`,
     as mx.optimizer.SGD calls them for non-default storage: a row_sparse gradient updates
@@ -175,13 +223,16 @@ def _sparse_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
     row_sparse weights go through MXNet's own storage fallback. With an fp32 master copy
     the (row_sparse) gradient is cast to fp32 and the master copy is updated, lazily too,
     then cast into the weight (MXNet's mp_sgd_* kernels have no sparse path and fall back
-    to a dense update)."""
+    to a dense update). With `nesterov`, MXNet's nag_mom_update, which has no sparse
+    kernel: MXNet's storage fallback updates every row, as ``mx.optimizer.NAG`` does."""
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
     for w, g, m, w32, lr, wd in zip(weights, grads, moms, masters, lrs, wds):
         target = w if w32 is None else w32
         if w32 is not None and g.dtype != w32.dtype:
             g = g.astype(w32.dtype)
-        if m is None:
+        if nesterov and m is not None:
+            nd.nag_mom_update(target, g, m, out=target, lr=lr, wd=wd, **kwargs)
+        elif m is None:
             nd.sgd_update(target, g, out=target, lazy_update=lazy_update, lr=lr, wd=wd,
                           **kwargs)
         else:
@@ -192,7 +243,8 @@ def _sparse_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
 
 
 class SGDFamily(FamilyBase):
-    """MXNet SGD: momentum (lr inside the buffer), weight decay added to the gradient.
+    """MXNet SGD: momentum (lr inside the buffer), weight decay added to the gradient; with
+    ``nesterov``, MXNet NAG's rule on the same state.
 
     Parameters
     ----------
@@ -200,6 +252,9 @@ class SGDFamily(FamilyBase):
         0: no momentum buffer (state None).
     lazy_update : bool
         With a row_sparse gradient, update only its rows (as ``mx.optimizer.SGD``).
+    nesterov : bool, default False
+        MXNet's ``nag_mom_update`` rule (``mx.optimizer.NAG``) instead of
+        ``sgd_mom_update``; the state is NAG's: a dense momentum (with ``momentum > 0``).
 
     Examples
     --------
@@ -225,15 +280,16 @@ class SGDFamily(FamilyBase):
     single_tensor = staticmethod(_single_tensor_sgd)
     multi_tensor = staticmethod(_multi_tensor_sgd)
 
-    def __init__(self, momentum: float, lazy_update: bool) -> None:
+    def __init__(self, momentum: float, lazy_update: bool, nesterov: bool = False) -> None:
         self.momentum = float(momentum)
         self.lazy_update = bool(lazy_update)
+        self.nesterov = bool(nesterov)
 
     def make_state(self, weight: nd.NDArray, dtype: Any,
                    master: Optional[nd.NDArray]) -> FamilyState:
         """MXNet SGD's state: mom, or (mom, weight_fp32); the momentum takes the weight's
-        storage type when lazy_update, as SGD's does."""
-        stype = weight.stype if self.lazy_update else 'default'
+        storage type when lazy_update, as SGD's does (dense with nesterov, as NAG's)."""
+        stype = weight.stype if self.lazy_update and not self.nesterov else 'default'
         mom = (nd.zeros(weight.shape, weight.context, dtype=dtype, stype=stype)
                if self.momentum != 0.0 else None)
         return mom if master is None else (mom, master)
@@ -246,14 +302,14 @@ class SGDFamily(FamilyBase):
         return parts[0], parts[1] if with_master else None
 
     def describe(self) -> str:
-        return 'momentum=%g' % self.momentum
+        return 'momentum=%g%s' % (self.momentum, ', nesterov' if self.nesterov else '')
 
     def run(self, kernel: Callable[..., None], *, states: list, steps: list,  # noqa: ARG002
             ratio_applies: Optional[list], **common: Any) -> None:
         """Run `kernel` (LARS reaches it as `lr_vector`; SGD has no step count)."""
-        kernel(moms=states, momentum=self.momentum, **common)
+        kernel(moms=states, momentum=self.momentum, nesterov=self.nesterov, **common)
 
     def run_sparse(self, *, states: list, lrs: Floats, **common: Any) -> None:
-        _sparse_sgd(moms=states, lrs=lrs, momentum=self.momentum,
+        _sparse_sgd(moms=states, lrs=lrs, momentum=self.momentum, nesterov=self.nesterov,
                     lazy_update=self.lazy_update, **common)
 
