@@ -2,14 +2,17 @@
 
 Each function says why the public API does not suffice. All were checked against MXNet
 1.9.1 (the version ``setup.py`` pins); the pure layers (``schedules``, ``loss_scale``) use
-none. Nothing else in the package touches a private MXNet attribute.
+none. Nothing else in the package touches a private MXNet (or Horovod-MXNet) attribute,
+nor overrides one (`StepHookTrainer` holds the Trainer's hooks):
+``tests/test_private_internals.py`` enforces it on the source of every other module, with
+the private names collected from MXNet's own classes and objects.
 """
 from __future__ import annotations
 
 import os
 import sys
 import weakref
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import mxnet as mx
 
@@ -496,6 +499,123 @@ def reduced_gradient_mean_factor(trainer: mx.gluon.Trainer) -> float:
     if kv is not None and 'dist' in kv.type:
         return 1.0 / kv.num_workers
     return 1.0
+
+
+# -- added for trust ratios on kvstore servers (pipeline.binding.refuse_server_updates) ------
+
+def module_trained_parameter_sizes() -> dict[str, int]:
+    """Inside ``Module.init_optimizer``: {name: number of elements} of the Module's
+    parameters that have a gradient (the ones its kvstore updates), else {}.
+
+    Why: Module gives its optimizer the parameter names only (``param_idx2name``), and a
+    trust ratio on the kvstore servers needs to know which tensors the dist kvstore splits
+    across them (by size); the arrays are the executor group's (``_exec_group``), read
+    through the same call-stack read as `creating_module_updates_on_kvstore` while
+    ``init_optimizer`` sends the optimizer (``kv.set_optimizer``) and before it pushes any
+    weight."""
+    local = _init_optimizer_locals()
+    if local is None:
+        return {}
+    group = local['self']._exec_group
+    grads = group.grad_arrays or []          # None: bound for inference, nothing to update
+    return {name: int(ws[0].size) for name, ws, gs in zip(group.param_names,
+                                                          group.param_arrays, grads)
+            if gs and gs[0] is not None}
+
+
+# -- added for ShardedTrainer and the optimizer shell: no private access elsewhere ----------
+
+class StepHookTrainer(mx.gluon.Trainer):
+    """A gluon.Trainer whose subclass does the gradient reduction and the update of
+    ``step`` itself: ``step``, ``allreduce_grads`` and ``update`` call the subclass's
+    ``_reduce_gradients()`` and ``_update_weights(ignore_stale_grad)`` (`ShardedTrainer`).
+
+    Why: ``Trainer.step`` reduces in the private ``_allreduce_grads`` and updates in the
+    private ``_update`` (MXNet 1.9.1, ``gluon/trainer.py``), the only places to replace
+    either; Horovod's DistributedTrainer overrides the same two. `wrap_trainer_step` wraps
+    these overrides as it wraps MXNet's own."""
+
+    def _allreduce_grads(self) -> None:
+        self._reduce_gradients()
+
+    def _update(self, ignore_stale_grad: bool = False) -> None:
+        self._update_weights(ignore_stale_grad)
+
+    def _reduce_gradients(self) -> None:
+        raise NotImplementedError
+
+    def _update_weights(self, ignore_stale_grad: bool = False) -> None:
+        raise NotImplementedError
+
+
+def set_trainer_scale(trainer: mx.gluon.Trainer, scale: float) -> None:
+    """Set the factor ``Trainer.step`` divides by the batch size to get ``rescale_grad``
+    (`trainer_scale` reads it).
+
+    Why: a Trainer whose reduction sums over ranks divides it by the world size, as Horovod's
+    DistributedTrainer does on CPU (``self._scale *= factor / size``); Trainer keeps it in the
+    private ``_scale`` and has no setter (``set_learning_rate`` is the only public one)."""
+    trainer._scale = scale
+
+
+def parameter_initialized(param: mx.gluon.Parameter) -> bool:
+    """Whether a gluon Parameter holds its arrays (initialized, and not waiting for a
+    deferred initialization).
+
+    Why: Parameter has no public check; ``list_data()`` raises a RuntimeError (deferred or
+    not initialized), and the arrays are the private ``_data`` list, None until then."""
+    return param._data is not None
+
+
+def clear_fresh_gradients(params: Iterable[mx.gluon.Parameter]) -> None:
+    """Mark the gradients of `params` (initialized ones, every device) as used: Trainer's
+    update then neither updates them nor warns that they are stale.
+
+    Why: the flag is NDArray's private ``_fresh_grad`` (backward sets it, ``Trainer._update``
+    reads and clears it; `is_fresh`), on the arrays of the private ``Parameter._data`` (the
+    public ``list_data()`` raises for a parameter not initialized yet). One call per step
+    (`ShardedTrainer` clears the parameters other ranks own)."""
+    for param in params:
+        if param._data is not None:
+            for array in param._data:
+                array._fresh_grad = False
+
+
+def set_fresh(array: mx.nd.NDArray, fresh: bool) -> None:
+    """Set a parameter array's ``_fresh_grad`` flag (`is_fresh` reads it): False once its
+    gradient is used, as ``Trainer._update`` does. Why: NDArray has no public setter."""
+    array._fresh_grad = fresh
+
+
+def count_update(opt: mx.optimizer.Optimizer, index: Any) -> None:
+    """Count an update of `index` (an index or a list of them) as MXNet's optimizers do at
+    the start of their ``update``: the per-index counts (``begin_num_update`` first) and
+    ``num_update``, which the learning-rate scheduler reads.
+
+    Why: the counting is the private ``Optimizer._update_count`` (MXNet 1.9.1,
+    ``optimizer/optimizer.py``), which every MXNet optimizer's ``update`` calls; an optimizer
+    that replaces ``update``/``update_multi_precision`` must call it itself."""
+    opt._update_count(index)
+
+
+def learning_rates(opt: mx.optimizer.Optimizer, indices: list[Any]) -> list[float]:
+    """The learning rate of each index as MXNet's optimizers compute it for an update: the
+    scheduler's rate at ``num_update`` (or ``learning_rate``) times the parameter's
+    ``lr_mult`` (by index or by name).
+
+    Why: the public ``learning_rate`` is the rate before the per-parameter multipliers; the
+    whole computation is the private ``Optimizer._get_lrs``."""
+    return opt._get_lrs(indices)
+
+
+def weight_decays(opt: mx.optimizer.Optimizer, indices: list[Any]) -> list[float]:
+    """The weight decay of each index as MXNet's optimizers compute it for an update: ``wd``
+    times the parameter's ``wd_mult`` (by index or by name; Gluon sets 0 for biases and
+    gammas, Module by name suffix).
+
+    Why: the public ``wd`` is the rate before the per-parameter multipliers; the whole
+    computation is the private ``Optimizer._get_wds``."""
+    return opt._get_wds(indices)
 
 
 # -- the native operators, loaded without touching MXNet's Python operator functions -------

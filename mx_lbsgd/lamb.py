@@ -69,7 +69,10 @@ class LAMB(PipelineOptimizer):
         built it; otherwise MXNet's operators routed by tensor size. True / False force
         MXNet's multi-tensor / per-tensor LAMB operators (the GPU path is multi-tensor).
     loss_scaler, count_skipped_steps, scale_key : as in `LBSGD`.
-    overflow_history_size, overflow_log_interval, check_local_overflow : as in `LBSGD`.
+    overflow_history_size, overflow_log_interval, overflow_alert, check_local_overflow
+        As in `LBSGD`: overflow reports, and where the falling-scale alert goes
+        (``overflow_alert='warn'``, the default: `LossScaleFallingWarning`; ``'log'``: a
+        WARNING record on logger 'mx_lbsgd').
     max_grad_norm : None or float >= 0, default None
         Clip the applied gradient (the window's mean, unscaled, reduced over workers) to
         this global L2 norm over all parameters: ``g *= min(1, max_grad_norm / (norm +
@@ -83,7 +86,11 @@ class LAMB(PipelineOptimizer):
     ------
     ValueError
         An argument out of its range (``beta1`` or ``beta2`` outside [0, 1),
-        ``epsilon <= 0``, ``lower_bound > upper_bound``, ``batch_scale < 1``, ...).
+        ``epsilon <= 0``, ``lower_bound > upper_bound``, ``batch_scale < 1``, ...). Later,
+        when a dist kvstore with several servers is to update the weights
+        (``update_on_kvstore=True``) and splits a tensor with a trust ratio across them
+        (``MXNET_KVSTORE_BIGARRAY_BOUND``): the servers would compute the ratio from
+        slices (see `mx_lbsgd.pipeline.trust_ratio`).
     TypeError
         A number of the wrong type, or a ``trust_exclude`` that is not None, True, a list
         of str or a callable.
@@ -162,3 +169,8 @@ class LAMB(PipelineOptimizer):
         self._warmup = Warmup(None, 0, 1, 0)
         self._trust = (None if not self.trust_exclude else
                        TrustRatio(1.0, 0.0, 0.0, math.inf, self.trust_exclude))
+
+    def trust_ratio_applies(self, name: str) -> bool:
+        """Every layer has LAMB's trust ratio (computed by the kernels) except those
+        ``trust_exclude`` leaves out."""
+        return self._trust is None or self._trust.applies(name)

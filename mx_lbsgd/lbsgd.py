@@ -158,12 +158,15 @@ class LBSGD(PipelineOptimizer):
         and accumulation counters never advance on a skipped step.
     scale_key : str, default 'default'
         Name under which ``loss_scaler`` serves :func:`mx_lbsgd.scale_gradient` ops (Module).
-    overflow_history_size, overflow_log_interval, check_local_overflow
+    overflow_history_size, overflow_log_interval, check_local_overflow, overflow_alert
         With a ``loss_scaler``: how many `mx_lbsgd.OverflowReport` objects
         ``overflow_history`` keeps (default 32), the least seconds between two log records
-        of skipped steps (default 30.0), and whether a distributed worker checks its own
+        of skipped steps (default 30.0), whether a distributed worker checks its own
         gradients before the reduction when ``batch_scale`` is 1 (default False; one
-        device-side check per step) so that ``last_overflow.originated_here`` is known.
+        device-side check per step) so that ``last_overflow.originated_here`` is known,
+        and where the falling-scale alert goes (``'warn'``, the default:
+        `mx_lbsgd.LossScaleFallingWarning` through ``warnings``; ``'log'``: a WARNING
+        record on logger 'mx_lbsgd'; never both).
     max_grad_norm : None or float >= 0, default None
         Clip the applied gradient (the window's mean, unscaled, reduced over workers) to
         this global L2 norm over all parameters: ``g *= min(1, max_grad_norm / (norm +
@@ -188,10 +191,15 @@ class LBSGD(PipelineOptimizer):
         ``warmup_strategy``, ``batch_scale < 1``, ``lars_min > lars_max``, a negative
         ``max_grad_norm``, NaN, ...), ``lars`` not None or a bool, or ``lars=False`` with
         ``warmup_strategy='lars'``. Later, ``create_state`` raises it for float16 weights
-        with ``batch_scale > 1`` and no ``multi_precision``.
+        with ``batch_scale > 1`` and no ``multi_precision``; and when the optimizer is sent
+        to several servers of a dist kvstore (``update_on_kvstore=True``) with ``lars`` and
+        a tensor LARS applies to that MXNet splits across them (at least
+        ``MXNET_KVSTORE_BIGARRAY_BOUND`` elements): each server would compute the trust
+        ratio from its slice.
     TypeError
-        A number of the wrong type (``batch_scale=2.0``, ``momentum='0.9'``), or a
-        ``lars_exclude`` that is not None, a list of str or a callable.
+        A number of the wrong type (``batch_scale=2.0``, ``momentum='0.9'``), a
+        ``nesterov`` that is not a bool, or a ``lars_exclude`` that is not None, a list of
+        str or a callable.
 
     Examples
     --------

@@ -49,8 +49,10 @@ class LossScaledSGD(LBSGD):
         Name under which ``loss_scaler`` serves :func:`mx_lbsgd.scale_gradient` ops.
     fused : None or bool
         Kernel path, as in :class:`LBSGD`.
-    overflow_history_size, overflow_log_interval, check_local_overflow
-        Overflow reports, as in :class:`LBSGD`.
+    overflow_history_size, overflow_log_interval, overflow_alert, check_local_overflow
+        Overflow reports, as in :class:`LBSGD`: ``overflow_alert='warn'`` (the default)
+        warns with `mx_lbsgd.LossScaleFallingWarning` when the scale keeps falling,
+        ``'log'`` writes a WARNING record on logger 'mx_lbsgd' instead.
     max_grad_norm : None or float >= 0
         Global-norm clipping of the unscaled gradient, as in :class:`LBSGD`; its
         sum-of-squares pass is also the step's overflow check.

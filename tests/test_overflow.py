@@ -281,8 +281,9 @@ def test_early_warning_names_top_offender_before_min_scale(caplog):
     assert falling[0].offenders[0] == ('p2', 4)
     assert '4 backoffs without a growth' in str(falling[0]) and 'p2' in str(falling[0])
     assert sc.scale == 2.0 ** 6 > sc.min_scale
-    assert any('p2 (4 step(s))' in r.getMessage() for r in caplog.records
-               if r.levelno == logging.WARNING)
+    # one channel: the warning (overflow_alert='warn', the default), no WARNING record
+    # (tests/test_skip_report.py: overflow_alert='log')
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     # the stuck policy still acts once min_scale is reached
     with pytest.raises(LossScaleStuckError):
         with warnings.catch_warnings():

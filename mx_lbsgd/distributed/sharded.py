@@ -173,7 +173,7 @@ def _layouts(params: Sequence[Any], part: Partition, size: int) -> List[_Layout]
     return out
 
 
-class ShardedTrainer(mx.gluon.Trainer):
+class ShardedTrainer(_compat.StepHookTrainer):
     """A gluon Trainer that shards the optimizer state over Horovod ranks (see the module
     docstring). Use it where you would write ``hvd.DistributedTrainer``, after
     ``hvd.init()`` and ``hvd.broadcast_parameters``::
@@ -237,15 +237,16 @@ class ShardedTrainer(mx.gluon.Trainer):
                          update_on_kvstore=False)
         self._hvd = hvd
         self.rank, self.size = hvd.rank(), hvd.size()
-        self._scale /= self.size
-        self._prefix = prefix
-        sparse = [p.name for p in self._params if p.grad_req != 'null'
-                  and p._grad_stype != 'default']
+        _compat.set_trainer_scale(self, _compat.trainer_scale(self) / self.size)
+        self._hvd_prefix = prefix
+        params = _compat.trainer_params(self)
+        sparse = [p.name for p in params if p.grad_req != 'null'
+                  and _compat.grad_stype(p) != 'default']
         if sparse:
             raise ValueError('ShardedTrainer: parameter(s) %s have sparse gradients; the '
                              'sharded exchange takes dense gradients only (use '
                              'hvd.DistributedTrainer for them)' % ', '.join(map(repr, sparse)))
-        trained = sum(p.grad_req != 'null' for p in self._params)
+        trained = sum(p.grad_req != 'null' for p in params)
         if trained < self.size:
             raise ValueError('ShardedTrainer: %d trained parameters for %d ranks; every rank '
                              'must own at least one' % (trained, self.size))
@@ -256,7 +257,7 @@ class ShardedTrainer(mx.gluon.Trainer):
         self._accs: Dict[int, nd.NDArray] = {}
         self._sum_sq: Optional[nd.NDArray] = None
         self._checked = False
-        if all(p._data is not None for p in self._params):
+        if all(_compat.parameter_initialized(p) for p in params):
             # check, and rebind the parameters to the flat buffers now, before any forward
             # pass (a hybridized block's cached graph then only ever sees the views)
             self._prepare()
@@ -266,15 +267,15 @@ class ShardedTrainer(mx.gluon.Trainer):
     def partition(self) -> Partition:
         """Which rank owns which parameter (the parameters must be initialized)."""
         if self._partition is None:
-            names = [p.name for p in self._params]
-            for p in self._params:
+            params = _compat.trainer_params(self)
+            names = [p.name for p in params]
+            for p in params:
                 if any(d == 0 for d in p.shape):
                     raise RuntimeError('ShardedTrainer: parameter %r has an unknown shape %s;'
                                        ' run a forward pass first' % (p.name, p.shape))
             self._partition = partition(
-                names, [int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
-                        for p in self._params],
-                [p.grad_req != 'null' for p in self._params], self.size)
+                names, [int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in params],
+                [p.grad_req != 'null' for p in params], self.size)
         return self._partition
 
     def _owned(self) -> List[int]:
@@ -292,9 +293,9 @@ class ShardedTrainer(mx.gluon.Trainer):
         """Once: every rank holds the same initial parameters (a digest per parameter,
         allgathered and compared)."""
         digest = nd.concat(*[nd.sum(nd.abs(p.list_data()[0].astype('float64'))).reshape((1,))
-                             for p in self._params], dim=0).reshape((1, -1))
-        everyone = self._hvd.allgather(digest, name='%s.check' % self._prefix).asnumpy()
-        for k, p in enumerate(self._params):
+                             for p in _compat.trainer_params(self)], dim=0).reshape((1, -1))
+        everyone = self._hvd.allgather(digest, name='%s.check' % self._hvd_prefix).asnumpy()
+        for k, p in enumerate(_compat.trainer_params(self)):
             if not np.all(everyone[:, k] == everyone[0, k]):
                 raise ValueError(
                     'ShardedTrainer: parameter %r differs across ranks (sum of |w| per rank: '
@@ -307,42 +308,44 @@ class ShardedTrainer(mx.gluon.Trainer):
             self._check_same_everywhere()
         if self._layouts or self.size == 1:
             return
-        for p in self._params:
+        params = _compat.trainer_params(self)
+        for p in params:
             if len(p.list_ctx()) != 1:
                 raise ValueError('ShardedTrainer: parameter %r lives on %d contexts; use one '
                                  'context per rank' % (p.name, len(p.list_ctx())))
-        self._layouts = _layouts(self._params, self.partition, self.size)
+        self._layouts = _layouts(params, self.partition, self.size)
         for layout in self._layouts:      # every weight and gradient a view of the buffers
             for i in layout.order:
-                param, (a, b) = self._params[i], layout.offsets[i]
+                param, (a, b) = params[i], layout.offsets[i]
                 owner, (c, d) = self.partition.owners[i], layout.spans[i]
                 _compat.rebind_parameter(
                     param, layout.segments[owner][c:d].reshape(param.shape),
                     layout.send[a:b].reshape(param.shape))
 
     # -- the exchange -----------------------------------------------------------------
-    def _allreduce_grads(self) -> None:
+    def _reduce_gradients(self) -> None:
+        """The reduction of ``step`` (gluon's ``_allreduce_grads``, through
+        `_compat.StepHookTrainer`)."""
         self._prepare()
         self._sum_sq = None
         if self.size == 1:
             return
         owned = self._owned_set()
+        params = _compat.trainer_params(self)
         for k, layout in enumerate(self._layouts):
             # the gradients are views of `send`: nothing to copy in
-            grads = [_compat.legacy(self._params[i].list_grad()[0]) for i in layout.order]
+            grads = [_compat.legacy(params[i].list_grad()[0]) for i in layout.order]
             received, _ = self._hvd.alltoall(layout.send, splits=layout.splits,
-                                             name='%s.grad.%d' % (self._prefix, k))
+                                             name='%s.grad.%d' % (self._hvd_prefix, k))
             rows = [received[r * layout.sizes[self.rank]:(r + 1) * layout.sizes[self.rank]]
                     for r in range(self.size)]
             for i, g in zip(layout.order, grads):
                 if i in owned:          # the sum over the ranks, written into the gradient
                     a, b = layout.spans[i]
                     nd.add_n(*[row[a:b].reshape(g.shape) for row in rows], out=g)
-        for i, p in enumerate(self._params):
-            if i not in owned and p._data is not None:
-                for d in p._data:
-                    d._fresh_grad = False        # reduced by its owner: nothing to update
-        if getattr(self._optimizer, 'wants_step_gradients', lambda: False)():
+        # reduced by their owners: nothing to update here
+        _compat.clear_fresh_gradients(p for i, p in enumerate(params) if i not in owned)
+        if getattr(self.optimizer, 'wants_step_gradients', lambda: False)():
             self._sum_sq = self._global_sum_of_squares()
 
     def reduced_sum_of_squares(self) -> nd.NDArray:
@@ -353,41 +356,45 @@ class ShardedTrainer(mx.gluon.Trainer):
         return self._sum_sq
 
     def _global_sum_of_squares(self) -> nd.NDArray:
-        owned = self._owned() if self.size > 1 else range(len(self._params))
+        params = _compat.trainer_params(self)
+        owned = self._owned() if self.size > 1 else range(len(params))
         local = _kernels.total_sum_squares(
-            [_compat.legacy(self._params[i].list_grad()[0]) for i in owned
-             if self._params[i].grad_req != 'null'])
+            [_compat.legacy(params[i].list_grad()[0]) for i in owned
+             if params[i].grad_req != 'null'])
         if self.size == 1:
             return local
-        return self._hvd.allreduce(local, average=False, name='%s.sumsq' % self._prefix)
+        return self._hvd.allreduce(local, average=False, name='%s.sumsq' % self._hvd_prefix)
 
     def step_sum_of_squares(self) -> Optional[nd.NDArray]:
         """The sum of squares of this step's reduced gradients over every rank's shard (a
         (1,) device array), or None when the optimizer does not need it."""
         return self._sum_sq
 
-    def _update(self, ignore_stale_grad: bool = False) -> None:
+    def _update_weights(self, ignore_stale_grad: bool = False) -> None:
+        """The update of ``step`` (gluon's ``_update``, through
+        `_compat.StepHookTrainer`): this rank's parameters only."""
         owned = self._owned_set() if self.size > 1 else None
         updates = []
-        for i, param in enumerate(self._params):
+        for i, param in enumerate(_compat.trainer_params(self)):
             if param.grad_req == 'null':
                 continue
             data = param.list_data()[0]
             if owned is not None and i not in owned:
-                data._fresh_grad = False
+                _compat.set_fresh(data, False)
                 continue
-            if not data._fresh_grad and not ignore_stale_grad:
+            fresh = _compat.is_fresh(data)
+            if not fresh and not ignore_stale_grad:
                 raise UserWarning('Gradient of Parameter `%s` on context %s has not been '
                                   'updated by backward since last `step`' % (
                                       param.name, data.context))
-            if data._fresh_grad or not ignore_stale_grad:
+            if fresh or not ignore_stale_grad:
                 updates.append((i, _compat.legacy(param.list_grad()[0]), _compat.legacy(data)))
-                data._fresh_grad = False
-        before = getattr(self._optimizer, 'applied_updates', None)
+                _compat.set_fresh(data, False)
+        before = getattr(self.optimizer, 'applied_updates', None)
         if updates:
             index, grads, weights = zip(*updates)
-            self._updaters[0](index, grads, weights)
-        after = getattr(self._optimizer, 'applied_updates', None)
+            _compat.trainer_updaters(self)[0](index, grads, weights)
+        after = getattr(self.optimizer, 'applied_updates', None)
         if self.size > 1 and (before is None or after != before):
             self._gather_weights()
 
@@ -397,7 +404,7 @@ class ShardedTrainer(mx.gluon.Trainer):
             for r in range(self.size):
                 if layout.sizes[r]:
                     self._hvd.broadcast_(layout.segments[r], root_rank=r,
-                                         name='%s.weight.%d.%d' % (self._prefix, k, r))
+                                         name='%s.weight.%d.%d' % (self._hvd_prefix, k, r))
 
     def exchange_bytes(self) -> Dict[str, int]:
         """Bytes this rank sends per update: ``reduce`` (the alltoall), ``gather`` (its
@@ -420,8 +427,8 @@ class ShardedTrainer(mx.gluon.Trainer):
         optimizer state's for an owned parameter, one of this Trainer's otherwise (each
         rank sums its own micro-batches of every parameter before the one exchange)."""
         if self.size == 1 or index in self._owned_set():
-            state = _compat.updater_state(self._updaters[0], index, weight)
-            return self._optimizer.split_state(weight, state)[2]
+            state = _compat.updater_state(_compat.trainer_updaters(self)[0], index, weight)
+            return self.optimizer.split_state(weight, state)[2]
         acc = self._accs.get(index)
         if acc is None:
             acc = self._accs[index] = nd.zeros(weight.shape, weight.context, dtype='float32')
@@ -443,16 +450,17 @@ class ShardedTrainer(mx.gluon.Trainer):
         atomic, checksummed, loaded without running code), which any world size, an
         unsharded Trainer or a single process loads. Every rank must call it. Refused
         inside an accumulation window (each rank then holds its own partial sums)."""
-        opt = self._optimizer
+        opt = self.optimizer
         position = getattr(opt, 'window_position', 0)
         if position:
             raise ValueError('ShardedTrainer.save_states: %d micro-batches of an '
                              'accumulation window (batch_scale=%d) are summed on each rank; '
                              'save at a window boundary' % (position, opt.batch_scale))
-        updater = self._updaters[0]
+        updater = _compat.trainer_updaters(self)[0]
         mine = updater.states
         full = _gather_states(self, updater, opt)
-        trained = [i for i, p in enumerate(self._params) if p.grad_req != 'null']
+        trained = [i for i, p in enumerate(_compat.trainer_params(self))
+                   if p.grad_req != 'null']
         counts = _fill_counts(opt, trained)
         try:
             updater.states = full
@@ -462,7 +470,7 @@ class ShardedTrainer(mx.gluon.Trainer):
             updater.states = mine
             _compat.set_update_counts(opt, counts)
         if self.size > 1:         # every rank returns once rank 0 has written the file
-            self._hvd.allreduce(nd.zeros((1,)), name='%s.saved' % self._prefix).asnumpy()
+            self._hvd.allreduce(nd.zeros((1,)), name='%s.saved' % self._hvd_prefix).asnumpy()
 
     def load_states(self, fname: str) -> None:
         """Load a states file of this model (consolidated, unsharded, from any world size)
@@ -470,7 +478,7 @@ class ShardedTrainer(mx.gluon.Trainer):
         checkpoint.load_states(self, fname)
         if self.size > 1:
             owned = self._owned_set()
-            updater = self._updaters[0]
+            updater = _compat.trainer_updaters(self)[0]
             updater.states = {i: s for i, s in updater.states.items() if i in owned}
             updater.states_synced = dict.fromkeys(updater.states, False)
 
@@ -479,9 +487,10 @@ def _bytes_held(trainer: ShardedTrainer) -> Tuple[int, int]:
     """(optimizer state bytes, window accumulator bytes) on this rank."""
     state = 0
     accs = sum(a.size * 4 for a in trainer._accs.values())
-    split = getattr(trainer._optimizer, 'split_state', None)
-    for i, held in trainer._updaters[0].states.items():
-        weight = trainer._params[i].list_data()[0]
+    split = getattr(trainer.optimizer, 'split_state', None)
+    params = _compat.trainer_params(trainer)
+    for i, held in _compat.trainer_updaters(trainer)[0].states.items():
+        weight = params[i].list_data()[0]
         if split is not None:
             family, master, acc = split(weight, held)
             held = (family, master)
@@ -494,7 +503,7 @@ def _gather_states(trainer: ShardedTrainer, updater: Any, opt: Any) -> Dict[int,
     """Every parameter's optimizer state on every rank, broadcast from its owner (the
     owner's state is created first if it has not updated yet)."""
     full = {}
-    for i, param in enumerate(trainer._params):
+    for i, param in enumerate(_compat.trainer_params(trainer)):
         owner = trainer.partition.owners[i] if trainer.size > 1 else 0
         if owner < 0:
             continue
@@ -508,7 +517,7 @@ def _gather_states(trainer: ShardedTrainer, updater: Any, opt: Any) -> Dict[int,
             state = opt.create_state_multi_precision(i, weight)
         for n, leaf in enumerate(_arrays(state)):
             trainer._hvd.broadcast_(leaf, root_rank=owner,
-                                    name='%s.state.%d.%d' % (trainer._prefix, i, n))
+                                    name='%s.state.%d.%d' % (trainer._hvd_prefix, i, n))
         full[i] = state
     return full
 

@@ -69,6 +69,11 @@ class LossScaling(overflow.OverflowViews):
         finite check per step more; never read on a finite step).
     max_grad_norm : None or float >= 0, default None
         Clip the applied gradient to this global L2 norm (None or 0: no clipping).
+    alert : {'warn', 'log'}, default 'warn'
+        Where the falling-scale alert goes: ``warnings.warn(LossScaleFallingWarning)`` (a
+        RuntimeWarning, for warnings filters) or a WARNING record on logger 'mx_lbsgd',
+        never both. Skipped steps are INFO records on that logger either way (their text
+        names the 5 parameters with the most non-finite values, then "and N more").
 
     After a skipped step ``last_overflow`` is an `OverflowReport` (None after a finite
     step); ``overflow_history`` and ``overflow_tally`` keep the recent ones.
@@ -81,7 +86,8 @@ class LossScaling(overflow.OverflowViews):
     ValueError
         A trainer is a `ShardedTrainer`, its optimizer has a ``loss_scaler`` of its own,
         ``max_grad_norm`` is negative or meets an optimizer that clips or accumulates
-        (``batch_scale > 1``) itself, or another argument is out of range. At the first
+        (``batch_scale > 1``) itself, ``alert`` is not 'warn' or 'log', or another argument
+        is out of range (each before any trainer is bound). At the first
         `step`: a trainer with ``update_on_kvstore=True``.
 
     Examples
@@ -117,7 +123,9 @@ class LossScaling(overflow.OverflowViews):
                  scaler: Union[DynamicLossScaler, float, None] = None, force: bool = False,
                  fused: Optional[bool] = None, history_size: int = overflow.HISTORY_SIZE,
                  log_interval: float = overflow.LOG_INTERVAL,
-                 check_local: bool = False, max_grad_norm: Optional[float] = None) -> None:
+                 check_local: bool = False, max_grad_norm: Optional[float] = None,
+                 alert: str = overflow.ALERT) -> None:
+        check_choice('alert', alert, overflow.ALERT_CHANNELS)
         self.trainers = [trainers] if isinstance(trainers, mx.gluon.Trainer) else list(trainers)
         if not self.trainers or not all(isinstance(t, mx.gluon.Trainer) for t in self.trainers):
             raise TypeError('trainers must be a gluon.Trainer or a list of them; got %r'
@@ -146,7 +154,7 @@ class LossScaling(overflow.OverflowViews):
         self.check_local = check_choice('check_local', check_local, (False, True))
         self._overflow = overflow.OverflowMonitor(
             check_int('history_size', history_size, 0),
-            check_real('log_interval', log_interval, 0.0, allow_inf=True))
+            check_real('log_interval', log_interval, 0.0, allow_inf=True), alert)
         self._local_flag: Optional[mx.nd.NDArray] = None
         self._active: Optional[bool] = None     # decided on first use, once gradients exist
         self._reduced = False

@@ -14,6 +14,17 @@ PyTorch's GradScaler keeps one found-inf flag per device and tells nothing more;
 logs "OVERFLOW! Rank 0 Skipping step" on rank 0 with the old and new scale. Here the report
 names the parameters, kinds, counts, micro-batch, step, scale and rank, and says what the
 reduction hid (`OverflowReport.note`).
+
+Where each alert goes, one channel each:
+
+- a skipped step: an INFO record on logger 'mx_lbsgd' (at most one per ``log_interval``
+  seconds), whose text (``str(report)``) names the `NAMED_OFFENDERS` parameters with the
+  most non-finite values and "and N more"; the record carries the whole report
+  (``record.overflow_report``), as ``last_overflow`` and ``overflow_history`` do;
+- the falling-scale alert (`DynamicLossScaler`'s warn_* rules): ``alert='warn'`` (the
+  default) warns with `LossScaleFallingWarning` (a `RuntimeWarning`: filter it, or make it
+  an error, with `warnings`), ``alert='log'`` writes a WARNING record on 'mx_lbsgd' instead
+  (``record.offenders``); never both.
 """
 from __future__ import annotations
 
@@ -40,7 +51,11 @@ _log = logging.getLogger('mx_lbsgd')
 #: defaults of the optimizers' and LossScaling's overflow settings
 HISTORY_SIZE = 32
 LOG_INTERVAL = 30.0       # seconds between two log records of skipped steps
-TOP_OFFENDERS = 3
+TOP_OFFENDERS = 3         # parameters the falling-scale alert names
+NAMED_OFFENDERS = 5       # parameters the text of a skipped step's report names
+#: where the falling-scale alert goes (``overflow_alert`` / ``LossScaling(alert=...)``)
+ALERT_CHANNELS = ('warn', 'log')
+ALERT = 'warn'
 
 
 class LossScaleFallingWarning(RuntimeWarning):
@@ -49,7 +64,9 @@ class LossScaleFallingWarning(RuntimeWarning):
 
     A `RuntimeWarning`: the optimizers and `LossScaling` warn with it once per descent
     (``warnings.filterwarnings('error', category=mx_lbsgd.LossScaleFallingWarning)`` stops a
-    run there).
+    run there), unless they were created with ``overflow_alert='log'`` (optimizers) /
+    ``alert='log'`` (`LossScaling`), which write the same text as a WARNING record on
+    logger 'mx_lbsgd' instead.
 
     Parameters
     ----------
@@ -75,7 +92,9 @@ class LossScaleFallingWarning(RuntimeWarning):
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-    """One skipped loss-scaled step (a frozen dataclass; ``str()`` gives one line).
+    """One skipped loss-scaled step (a frozen dataclass; ``str()`` gives one line, which
+    names the `NAMED_OFFENDERS` (5) parameters with the most non-finite values and "and N
+    more"; `parameters` and `counts` hold every one).
 
     Parameters
     ----------
@@ -114,6 +133,18 @@ class OverflowReport:
     step 3 skipped (loss scale 65536 -> 32768), rank 1 of 2: fc_weight inf+nan (5).
     >>> dict(report.counts), report.originated_here
     ({'fc_weight': 5}, None)
+
+    Seven parameters overflowed: the line names the five with the most values, the report
+    keeps all seven:
+
+    >>> counts = {'p%d' % i: 10 - i for i in range(7)}
+    >>> big = mx_lbsgd.OverflowReport(step=4, scale=8.0, scale_after=4.0,
+    ...                               parameters={n: 'inf' for n in counts}, counts=counts)
+    >>> print(big)
+    step 4 skipped (loss scale 8 -> 4): p0 inf (10), p1 inf (9), p2 inf (8), p3 inf (7),
+    p4 inf (6) and 2 more.
+    >>> len(big.parameters)
+    7
     """
     step: int
     scale: float
@@ -130,8 +161,11 @@ class OverflowReport:
         where = '' if self.rank is None else ', rank %d of %d' % (self.rank, self.num_workers)
         if self.micro_batch is not None:
             where += ', micro-batch %d' % self.micro_batch
+        named = list(self.parameters.items())[:NAMED_OFFENDERS]
         found = ', '.join('%s %s (%d)' % (n, k, self.counts[n])
-                          for n, k in self.parameters.items()) or 'no parameter named'
+                          for n, k in named) or 'no parameter named'
+        if len(self.parameters) > NAMED_OFFENDERS:
+            found += ' and %d more' % (len(self.parameters) - NAMED_OFFENDERS)
         return 'step %d skipped (loss scale %g -> %g)%s: %s.%s' % (
             self.step, self.scale, self.scale_after, where, found,
             ' ' + self.note if self.note else '')
@@ -271,7 +305,7 @@ class OverflowViews:
 class OverflowMonitor:
     """The reports of one optimizer or hook: `last`, a bounded `history`, a `tally` of the
     skipped steps each parameter overflowed in, rate-limited log records and the early
-    warning (the scaler's alert, with the top offenders).
+    warning (the scaler's alert, with the top offenders), in one channel.
 
     A skipped step only launches the counting kernels; the host read waits until a report
     is looked at, logged (INFO enabled for 'mx_lbsgd'), warned about, or is about to leave
@@ -283,6 +317,10 @@ class OverflowMonitor:
         Reports kept in `history`.
     log_interval : float >= 0, default 30
         Seconds between two log records of skipped steps (logger 'mx_lbsgd', INFO).
+    alert : {'warn', 'log'}, default 'warn'
+        Where the falling-scale alert goes: ``warnings.warn(LossScaleFallingWarning)``, or
+        a WARNING record on logger 'mx_lbsgd' (the module docstring); checked by the
+        optimizers and `LossScaling` (ValueError naming their parameter).
 
     Examples
     --------
@@ -306,8 +344,9 @@ class OverflowMonitor:
     """
 
     def __init__(self, history_size: int = HISTORY_SIZE,
-                 log_interval: float = LOG_INTERVAL) -> None:
+                 log_interval: float = LOG_INTERVAL, alert: str = ALERT) -> None:
         self.history_size = history_size
+        self.alert = alert
         self._tally: Counter[str] = collections.Counter()
         self.log_interval = log_interval
         self._last: Optional[_Pending] = None
@@ -403,13 +442,16 @@ class OverflowMonitor:
         return self.tally.most_common(n)
 
     def _warn(self, alert: str) -> None:
+        """The falling-scale alert, in the one channel `alert` chose."""
         top = self.top_offenders()
         named = ', '.join('%s (%d step(s))' % item for item in top) or 'none named'
         message = ('%s. Parameters that overflowed most: %s. Lower the learning rate, clip '
                    'gradients, or look at these layers before the scale reaches min_scale.'
                    % (alert, named))
-        _log.warning(message)
-        warnings.warn(LossScaleFallingWarning(message, top), stacklevel=4)
+        if self.alert == 'log':
+            _log.warning(message, extra={'offenders': top})
+        else:
+            warnings.warn(LossScaleFallingWarning(message, top), stacklevel=4)
 
 
 def step_worker(trainer: Any = None,

@@ -64,9 +64,7 @@ class StepApplier:
     clip_gradient: Optional[float]
     begin_num_update: int
     _plan: Callable[..., Plan]
-    _update_count: Callable[[Any], None]
-    _get_lrs: Callable[[List[Any]], List[float]]
-    _get_wds: Callable[[List[Any]], List[float]]
+    _count_micro_batch: Callable[[Any], None]
     _clip_safe: Callable[..., bool]
 
     def _apply_step(self, calls: List[Call], unscale: float) -> None:
@@ -102,7 +100,7 @@ class StepApplier:
         """Count the micro-batch and accumulate it; on a window's last one, what to update
         with ``rescale_grad`` = the Trainer's rescale_grad x `unscale` (1 / loss scale) for
         one micro-batch, 1 / batch_scale for an accumulated window (else None)."""
-        self._update_count(index)
+        self._count_micro_batch(index)
         plan = self._plan(index, weight, grad, state)
         _, counts = _compat.update_counts(self)
         positions = [counts[i] - self.begin_num_update for i in index]
@@ -114,7 +112,8 @@ class StepApplier:
             if window is None:
                 return None
             grad, rescale_grad = window
+        lrs = _compat.learning_rates(self, index)
         return _Ready(plan=plan, index=index, weight=weight, grad=grad,
-                      lrs=self._warmup.scale_lrs(self._get_lrs(index), positions),
-                      wds=self._get_wds(index), rescale_grad=rescale_grad,
+                      lrs=self._warmup.scale_lrs(lrs, positions),
+                      wds=_compat.weight_decays(self, index), rescale_grad=rescale_grad,
                       steps=[k // self.batch_scale for k in positions])   # update number t

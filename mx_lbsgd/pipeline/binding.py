@@ -25,9 +25,11 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import mxnet as mx
 
 from .. import _compat, _kernels
+from .trust_ratio import refuse_split_ratios
 from .window import TrainerWindow
 
 if TYPE_CHECKING:
@@ -184,6 +186,27 @@ def _refuse_dist_sparse_gradients(trainer: mx.gluon.Trainer) -> None:
     if kind and kind.startswith('dist'):
         refuse_sparse_gradients_on_servers(_compat.dense_weights_with_sparse_gradients(trainer),
                                            kind, type(trainer.optimizer).__name__)
+
+
+def refuse_server_updates(opt: PipelineOptimizer) -> None:
+    """Everything refused when `opt` is about to be sent to the servers of a dist kvstore
+    (``kv.set_optimizer`` pickles it with protocol 0, on the worker, in Python: an
+    exception raised here reaches the script that created the Trainer or called
+    ``Module.init_optimizer``/``fit``, before any weight is pushed or updated).
+
+    - loss scaling and clipping (`PipelineOptimizer.refuse_updates_on_kvstore`);
+    - row_sparse gradients of dense weights (Module; Gluon's are refused at binding);
+    - a per-tensor trust ratio of a tensor the kvstore splits across several servers
+      (`trust_ratio.refuse_split_ratios`): the sizes come from the Trainer's
+      ``param_dict`` (Gluon) or from the Module being initialized; parameters without a
+      gradient (``grad_req='null'``, Module's fixed parameters) are never updated."""
+    opt.refuse_updates_on_kvstore()
+    kind, names = _compat.module_sparse_gradients_on_dist_kvstore()
+    refuse_sparse_gradients_on_servers(names, kind, type(opt).__name__)
+    sizes = ({p.name: int(np.prod(p.shape)) for p in opt.param_dict.values()
+              if p.grad_req != 'null'} if opt.param_dict
+             else _compat.module_trained_parameter_sizes())
+    refuse_split_ratios(type(opt).__name__, sizes, opt.trust_ratio_applies)
 
 
 def refuse_sparse_gradients_on_servers(names: Sequence[str], kind: Optional[str],

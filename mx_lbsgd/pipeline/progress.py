@@ -171,7 +171,7 @@ class ProgressViews:
         one counted, `micro_batches`); a trust ratio multiplies it per layer."""
         return self._warmup.multiplier(self.micro_batches if position is None else position)
 
-    def _update_count(self, index: Any) -> None:
-        super()._update_count(index)  # type: ignore[misc]  # the host Optimizer's method
+    def _count_micro_batch(self, index: Any) -> None:
+        _compat.count_update(self, index)     # MXNet's count, then num_update from it
         self.num_update = num_update_after_count(
             self, self._ledger, index, self.batch_scale, self.counts_applied_updates)

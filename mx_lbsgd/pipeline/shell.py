@@ -26,6 +26,11 @@ micro-batch and on which rank; ``overflow_history`` keeps the last
 ``overflow_history_size`` reports. Finite steps pay nothing for it except, with a window at
 a Trainer (batch_scale > 1), one device-side finite flag per micro-batch.
 
+Sent to the servers of a dist kvstore (``update_on_kvstore=True``: pickled with protocol
+0), the optimizer first refuses what the servers cannot do (`binding.refuse_server_updates`):
+loss scaling, clipping, sparse gradients of dense weights, and a trust ratio of a tensor
+that the kvstore splits across several servers.
+
 Under a gluon Trainer, `binding` calls `begin_step` before the Updater runs (the shell never
 infers a step from attribute writes); Module and bare Updaters call
 `update_multi_precision` only, and the gate finds step boundaries itself.
@@ -77,6 +82,10 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     multi_precision : bool
     overflow_history_size : int >= 0, default 32
     overflow_log_interval : float >= 0, default 30
+    overflow_alert : {'warn', 'log'}, default 'warn'
+        Where the falling-scale alert goes: ``warnings.warn(LossScaleFallingWarning)`` or a
+        WARNING record on logger 'mx_lbsgd', never both (`mx_lbsgd.loss_scaling.overflow`).
+        Skipped steps are INFO records on that logger either way.
     check_local_overflow : bool, default False
     max_grad_norm : None or float >= 0
     **kwargs
@@ -86,8 +95,9 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     ------
     ValueError
         An argument out of range (a negative ``learning_rate``, ``wd`` or
-        ``max_grad_norm``, ``fused`` not None/True/False, ...), or loss scaling or clipping
-        on a Module that updates on the kvstore.
+        ``max_grad_norm``, ``fused`` not None/True/False, ``overflow_alert`` not 'warn' or
+        'log', ...), or loss scaling or clipping on a Module that updates on the kvstore.
+        When the optimizer is sent to kvstore servers: see the module docstring.
     TypeError
         A number of the wrong type.
 
@@ -149,9 +159,10 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
                  scale_key: str, multi_precision: bool,
                  overflow_history_size: int = overflow.HISTORY_SIZE,
                  overflow_log_interval: float = overflow.LOG_INTERVAL,
-                 check_local_overflow: bool = False,
+                 overflow_alert: str = overflow.ALERT, check_local_overflow: bool = False,
                  max_grad_norm: Optional[float] = None, **kwargs: Any) -> None:
         check_choice('fused', fused, (None, True, False))
+        check_choice('overflow_alert', overflow_alert, overflow.ALERT_CHANNELS)
         if max_grad_norm is not None:
             check_real('max_grad_norm', max_grad_norm, 0.0)
         check_int('overflow_history_size', overflow_history_size, 0)
@@ -174,6 +185,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         self.scale_key = str(scale_key)
         self.overflow_history_size = int(overflow_history_size)
         self.overflow_log_interval = float(overflow_log_interval)
+        self.overflow_alert = overflow_alert
         self.check_local_overflow = bool(check_local_overflow)
         self.max_grad_norm = float(max_grad_norm) if max_grad_norm else None
         self._module_worker = _compat.creating_module_worker()
@@ -200,7 +212,8 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         self._step_window: Optional[bool] = None   # whether this step closes a Trainer window
         self._overflow = overflow.OverflowMonitor(
             getattr(self, 'overflow_history_size', overflow.HISTORY_SIZE),
-            getattr(self, 'overflow_log_interval', overflow.LOG_INTERVAL))
+            getattr(self, 'overflow_log_interval', overflow.LOG_INTERVAL),
+            getattr(self, 'overflow_alert', overflow.ALERT))
         self._step_trainer: Optional[weakref.ref] = None   # the Trainer of this step (rank)
         #: {micro-batch (0: the step): device flag} before the reduction
         self._local_flags: Optional[Dict[int, mx.nd.NDArray]] = None
@@ -260,7 +273,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
             index, weight, grad, state = [index], [weight], [grad], [state]
         self._plan(index, weight, grad, state)    # validates states and names first
         if self._step_window is False:
-            self._update_count(index)      # summed at the Trainer; nothing to apply yet
+            self._count_micro_batch(index)      # summed at the Trainer; nothing to apply yet
             self._ledger.last_step_skipped = False
             return
         if self.loss_scaler is None and (self._clip is None or self._trainer_norms):
@@ -370,11 +383,14 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         # kvstore.set_optimizer pickles with protocol 0 to send the optimizer to the
         # servers of a dist kvstore, which then update key by key.
         if protocol == 0:
-            self.refuse_updates_on_kvstore()
-        if protocol == 0:
-            kind, names = _compat.module_sparse_gradients_on_dist_kvstore()
-            _binding.refuse_sparse_gradients_on_servers(names, kind, type(self).__name__)
+            _binding.refuse_server_updates(self)
         return super().__reduce_ex__(protocol)
+
+    def trust_ratio_applies(self, name: str) -> bool:
+        """Whether the update of the parameter called `name` multiplies its learning rate
+        by a per-tensor trust ratio (the shell: the `TrustRatio` piece's layers; `LAMB`,
+        whose kernels compute the ratio: every layer its piece does not exclude)."""
+        return self._trust is not None and self._trust.applies(name)
 
 
 #: the gate's scaler when there is no loss scaler: it never checks, never skips
