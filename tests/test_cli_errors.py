@@ -157,7 +157,7 @@ def test_bench_writes_no_plot_unasked(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize('module', ['bench_lamb', 'bench_norms', 'bench_noise_scale',
-                                    'bench_sparse', 'bench_dist'])
+                                    'bench_sparse', 'bench_dist', 'bench_amp'])
 @pytest.mark.parametrize('argv, words', [(['--rounds', '0'], ['--rounds', '>= 1']),
                                          (['--json', UNWRITABLE], ['--json', UNWRITABLE])])
 def test_benchmark_scripts_check_their_arguments_first(module, argv, words, capsys):
