@@ -34,7 +34,26 @@ SIGKILL), ``fail`` (anything else unexpected) or ``ok``. The whole output of eve
 is not ``ok`` goes to ``--keep`` DIR. The JSON (rewritten after every job, so an
 interrupted soak keeps its counts) holds the settings, the machine, the counts per kind
 and per job family, wall time, jobs per minute and the load average seen.
-Not part of the test suite (an hour or more of wall time).
+``--sharded K`` adds K runs of ``mx-lbsgd mlm --horovod --shard-states`` (12 steps, the
+sharded exchange) and ``--hvd-broadcast`` makes the exit worker use Horovod's own
+``hvd.broadcast_parameters`` (to measure the defect `mx_lbsgd.distributed.collectives`
+avoids). ``--plant-hang N`` adds N runs of the exit worker's ``stuck`` mode with a
+``--plant-timeout`` bound, which must be caught as hangs with stacks.
+
+Every rank is watched while its job runs (psutil, every 0.2 s): its peak resident memory
+and its wall time go into the record, and a rank above 2x the median of its job family in
+either fails the job (``outlier``). A job that passes ``--timeout`` gets its stacks before
+it is killed: each rank's Python stacks (SIGUSR1, which a ``sitecustomize`` on the
+workers' path registers with ``faulthandler`` for all threads) and native stacks
+(``gdb -p PID -batch -ex 'thread apply all bt'``); a crashed job with ``--cores`` gets the
+native stacks of its core file. The stacks go into the job's record in the JSON and into
+``--keep``.
+
+    python benchmarks/soak_horovod.py --jobs 200 --queued 300 --raising 0 --sharded 200 \
+        --mlm-every 0 --burners 1 --parallel 2 --cores --timeout 120 \
+        --json benchmarks/soak-horovod-results.json --keep soak-failures
+
+Not part of the test suite (hours of wall time for 1000 jobs on 2 cores).
 """
 import argparse
 import concurrent.futures
@@ -82,13 +101,110 @@ def machine():
                 native_library_built=versions[2] == 'True' if len(versions) > 2 else None)
 
 
+#: put first on the workers' PYTHONPATH: SIGUSR1 prints every thread's Python stack
+_SITE = tempfile.mkdtemp(prefix='soak-site-')
+with open(os.path.join(_SITE, 'sitecustomize.py'), 'w') as _f:
+    _f.write('import faulthandler, signal\n'
+             'faulthandler.register(signal.SIGUSR1, all_threads=True)\n')
+
+
 def _env(native, cores=False):
     env = dict(os.environ, MX_LBSGD_NATIVE=native, PYTHONFAULTHANDLER='1',
                OMP_NUM_THREADS='1')
     if cores:      # MXNet's handler exits without a core; faulthandler re-raises the signal
         env['MXNET_USE_SIGNAL_HANDLER'] = '0'
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [ROOT, env.get('PYTHONPATH')]))
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [_SITE, ROOT, env.get('PYTHONPATH')]))
     return env
+
+
+def _ranks(proc):
+    """The rank processes (Python interpreters) under a horovodrun process."""
+    import psutil
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    out = []
+    for c in children:
+        try:
+            cmd = ' '.join(c.cmdline())
+            # (horovodrun's own helpers: multiprocessing children)
+            if 'python' in os.path.basename(c.exe()) and 'multiprocessing' not in cmd \
+                    and 'horovodrun' not in cmd:
+                out.append(c)
+        except psutil.Error:
+            pass
+    return out
+
+
+class _Watch(threading.Thread):
+    """Peak resident memory and wall time of every rank process of one job."""
+
+    def __init__(self, proc):
+        super().__init__(daemon=True)
+        self.proc, self.seen, self.done = proc, {}, threading.Event()
+
+    def run(self):
+        import psutil
+        while not self.done.is_set():
+            now = time.monotonic()
+            for c in _ranks(self.proc):
+                try:
+                    rss = c.memory_info().rss
+                except psutil.Error:
+                    continue
+                entry = self.seen.setdefault(c.pid, dict(start=now, end=now, rss=0,
+                                                         cmd=' '.join(c.cmdline()[1:3])))
+                entry['end'], entry['rss'] = now, max(entry['rss'], rss)
+            self.done.wait(0.2)
+
+    def ranks(self):
+        """[{pid, peak_mb, seconds, cmd}] of the rank processes seen (the interpreters
+        horovodrun started; launcher helpers that live < 1 s are left out)."""
+        return [dict(pid=pid, peak_mb=round(e['rss'] / 2 ** 20, 1),
+                     seconds=round(e['end'] - e['start'], 2), cmd=e['cmd'])
+                for pid, e in sorted(self.seen.items()) if e['end'] - e['start'] >= 1.0]
+
+
+def stacks_of(proc):
+    """Every rank's Python stacks (SIGUSR1: written to the job's output) and native stacks
+    (gdb), as text, before the job is killed."""
+    parts = []
+    ranks = _ranks(proc)
+    for c in ranks:
+        try:
+            os.kill(c.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(2)
+    for c in ranks:
+        try:
+            gdb = subprocess.run(['gdb', '-p', str(c.pid), '-batch', '-ex',
+                                  'thread apply all bt'], capture_output=True, text=True,
+                                 timeout=120)
+            text = gdb.stdout
+        except (OSError, subprocess.TimeoutExpired) as err:
+            text = 'gdb failed: %s' % err
+        parts.append('---- native stacks of pid %d (%s) ----\n%s' % (
+            c.pid, ' '.join(c.cmdline()[1:3]) if c.is_running() else '?', text))
+    return '\n'.join(parts)
+
+
+def core_stacks(folder):
+    """The native stacks of every core file under `folder` (gdb on python and the core)."""
+    parts = []
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            if name == 'core' or name.startswith('core.'):
+                path = os.path.join(dirpath, name)
+                try:
+                    gdb = subprocess.run(['gdb', sys.executable, path, '-batch', '-ex',
+                                          'thread apply all bt'], capture_output=True,
+                                         text=True, timeout=300)
+                    parts.append('---- core %s ----\n%s' % (path, gdb.stdout[-200000:]))
+                except (OSError, subprocess.TimeoutExpired) as err:
+                    parts.append('---- core %s: gdb failed: %s' % (path, err))
+    return '\n'.join(parts)
 
 
 def horovod_configs():
@@ -107,29 +223,57 @@ def _allow_cores():
     resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
+#: what the last run_job of each thread saw: its ranks and any stacks
+_LAST = threading.local()
+
+
 def run_job(argv, native, timeout, cwd, cores=False):
     """(kind, seconds, exit status or None, output) of one horovodrun job. `cores`: workers
-    may dump core (where kernel.core_pattern says), with MXNet's segfault handler off."""
+    may dump core (where kernel.core_pattern says), with MXNet's segfault handler off.
+    Afterwards `last_job()` holds the ranks' peak memory and wall time and any stacks."""
     start = time.monotonic()
     proc = subprocess.Popen([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2'] + argv,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(native, cores), cwd=cwd,
                             preexec_fn=_allow_cores if cores else None)
+    watch = _Watch(proc)
+    watch.start()
+    _LAST.stacks = ''
+    collected = []
+    reader = threading.Thread(target=lambda: collected.append(proc.stdout.read()),
+                              daemon=True)
+    reader.start()
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
+        hung = False
     except subprocess.TimeoutExpired:
+        hung = True
+        _LAST.stacks = stacks_of(proc)
         proc.terminate()
         try:
-            out, _ = proc.communicate(timeout=15)
+            proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, _ = proc.communicate()
-        return 'hang', time.monotonic() - start, None, out or ''
+            proc.wait()
+    reader.join(30)
+    watch.done.set()
+    watch.join()
+    _LAST.ranks = watch.ranks()
+    out = collected[0] if collected else ''
     seconds = time.monotonic() - start
+    if hung:
+        return 'hang', seconds, None, out + '\n' + _LAST.stacks
     crashed = [m for m in harness.CRASH_MARKS if m in out] or SIGNALLED.findall(out)
     if crashed or proc.returncode < 0:
-        return 'crash', seconds, proc.returncode, out
+        if cores:
+            _LAST.stacks = core_stacks(cwd)
+        return 'crash', seconds, proc.returncode, out + '\n' + _LAST.stacks
     return 'ok', seconds, proc.returncode, out
+
+
+def last_job():
+    """(ranks, stacks) of this thread's last run_job."""
+    return getattr(_LAST, 'ranks', []), getattr(_LAST, 'stacks', '')
 
 
 class Soak:
@@ -146,6 +290,7 @@ class Soak:
     def dist(self, name, cfg, native, tmp):
         kind, sec, code, out = run_job([sys.executable, DIST_WORKER, json.dumps(cfg), tmp],
                                        native, self.args.timeout, tmp, self.args.cores)
+        seen = last_job()
         note = ''
         if kind == 'ok' and code != 0:
             kind, note = 'fail', 'exit %d' % code
@@ -153,11 +298,13 @@ class Soak:
             import numpy as np
             try:
                 a, b = (np.load(os.path.join(tmp, 'rank%d.npz' % r)) for r in range(2))
-                if any(not np.array_equal(a[k], b[k]) for k in a.files):
+                same = (lambda x, y: np.array_equal(x, y, equal_nan=True)
+                        if x.dtype.kind == 'f' else np.array_equal(x, y))
+                if any(not same(a[k], b[k]) for k in a.files):   # (norms: NaN unclipped)
                     kind, note = 'fail', 'ranks hold different weights'
             except (OSError, KeyError, ValueError) as err:
                 kind, note = 'fail', 'results unreadable: %s' % err
-        return [('dist', name, kind, sec, code, out, note)]
+        return [('dist', name, kind, sec, code, out, note, seen)]
 
     def mlm(self, native, tmp):
         base = [sys.executable, '-m', 'mx_lbsgd_demo', 'mlm', '--horovod'] + mlm_argv()
@@ -170,6 +317,7 @@ class Soak:
         for name, extra in steps:
             kind, sec, code, out = run_job(base + extra, native, self.args.timeout, tmp,
                                            self.args.cores)
+            seen = last_job()
             note = ''
             if kind == 'ok' and code != 0:
                 kind, note = 'fail', 'exit %d' % code
@@ -181,15 +329,17 @@ class Soak:
                         kind, note = 'fail', 'resumed digests %s != %s' % tuple(digests)
                 except (OSError, KeyError, ValueError) as err:
                     kind, note = 'fail', 'summary unreadable: %s' % err
-            rows.append(('mlm', name, kind, sec, code, out, note))
+            rows.append(('mlm', name, kind, sec, code, out, note, seen))
             if kind != 'ok':
                 break
         return rows
 
     def exit_worker(self, mode, native, tmp):
-        argv = [sys.executable, EXIT_WORKER, mode] + (['--unprotected'] if
-                                                      self.args.unprotected else [])
+        argv = [sys.executable, EXIT_WORKER, mode] + \
+            (['--unprotected'] if self.args.unprotected else []) + \
+            (['--hvd-broadcast'] if self.args.hvd_broadcast else [])
         kind, sec, code, out = run_job(argv, native, self.args.timeout, tmp, self.args.cores)
+        seen = last_job()
         note = ''
         if kind == 'ok':
             if mode == 'queued' and code != 0:
@@ -201,7 +351,34 @@ class Soak:
                 kind, note = 'fail', 'exit %d without the exception' % code
             elif mode == 'raise' and sec > self.args.raise_seconds:
                 kind, note = 'fail', 'took %.1f s' % sec
-        return [('exit-' + mode, mode, kind, sec, code, out, note)]
+        return [('exit-' + mode, mode, kind, sec, code, out, note, seen)]
+
+    def sharded(self, native, tmp):
+        """``mx-lbsgd mlm --horovod --shard-states``: 12 steps of the sharded exchange."""
+        argv = [sys.executable, '-m', 'mx_lbsgd_demo', 'mlm', '--horovod', '--steps', '12',
+                '--warmup', '2', '--quiet', '--shard-states', '--out',
+                os.path.join(tmp, 'out')]
+        kind, sec, code, out = run_job(argv, native, self.args.timeout, tmp, self.args.cores)
+        seen = last_job()
+        note = ''
+        if kind == 'ok' and code != 0:
+            kind, note = 'fail', 'exit %d' % code
+        elif kind == 'ok' and not os.path.exists(os.path.join(tmp, 'out', 'summary.json')):
+            kind, note = 'fail', 'no summary.json'
+        return [('sharded', 'mlm-shard-states', kind, sec, code, out, note, seen)]
+
+    def planted(self, native, tmp):
+        """The exit worker's ``stuck`` mode under --plant-timeout: a hang that must be
+        caught, with every rank's Python and native stacks."""
+        argv = [sys.executable, EXIT_WORKER, 'stuck']
+        kind, sec, code, out = run_job(argv, native, self.args.plant_timeout, tmp,
+                                       self.args.cores)
+        seen = last_job()
+        stacks = seen[1]
+        caught = kind == 'hang' and 'Thread 1' in stacks and 'most recent call first' in out
+        return [('planted-hang', 'stuck', 'ok' if caught else 'fail', sec, code, out,
+                 'caught with stacks' if caught else 'not caught as a hang with stacks',
+                 seen)]
 
     # -- driver ----------------------------------------------------------------------------
     def units(self):
@@ -228,6 +405,22 @@ class Soak:
                                    two_rank >= (e + 1) * per_exit * 0.9):
                 yield ('exit', exits[e])
                 e += 1
+        for _ in range(self.args.plant_hang):
+            yield ('planted',)
+
+    def all_units(self):
+        """`units`, with the sharded runs spread evenly among them."""
+        base = list(self.units())
+        if not self.args.sharded:
+            return base
+        every = max(1, len(base) // self.args.sharded)
+        out, left = [], self.args.sharded
+        for k, unit in enumerate(base):
+            out.append(unit)
+            if left and k % every == every - 1:
+                out.append(('sharded',))
+                left -= 1
+        return out + [('sharded',)] * left
 
     def run_unit(self, unit):
         if self.stop.is_set():
@@ -240,17 +433,22 @@ class Soak:
                 rows = self.dist(unit[1], unit[2], native, tmp)
             elif unit[0] == 'mlm':
                 rows = self.mlm(native, tmp)
+            elif unit[0] == 'sharded':
+                rows = self.sharded(native, tmp)
+            elif unit[0] == 'planted':
+                rows = self.planted(native, tmp)
             else:
                 rows = self.exit_worker(unit[1], native, tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         load = os.getloadavg()[0]
         with self.lock:
-            for family, name, kind, sec, code, out, note in rows:
+            for family, name, kind, sec, code, out, note, (ranks, stacks) in rows:
                 n = len(self.records)
                 self.records.append(dict(index=n, family=family, name=name, native=native,
                                          kind=kind, seconds=round(sec, 2), code=code,
-                                         note=note, load=round(load, 2)))
+                                         note=note, load=round(load, 2), ranks=ranks,
+                                         **({'stacks': stacks} if stacks else {})))
                 self.loads.append(load)
                 if kind != 'ok' and self.args.keep:
                     os.makedirs(self.args.keep, exist_ok=True)
@@ -262,8 +460,28 @@ class Soak:
                       % (n, family, name, native, kind, sec, load, note), flush=True)
             self.save()
 
+    def outliers(self):
+        """Records with a rank above 2x its family's median peak memory or wall time."""
+        import statistics
+        out = []
+        for family in {r['family'] for r in self.records}:
+            rows = [r for r in self.records if r['family'] == family and r['ranks']
+                    and r['kind'] == 'ok']
+            if len(rows) < 3:
+                continue
+            peaks = statistics.median(x['peak_mb'] for r in rows for x in r['ranks'])
+            times = statistics.median(x['seconds'] for r in rows for x in r['ranks'])
+            for r in rows:
+                worst = [x for x in r['ranks'] if x['peak_mb'] > 2 * peaks
+                         or x['seconds'] > 2 * times]
+                if worst:
+                    out.append(dict(index=r['index'], family=family, ranks=worst,
+                                    median_peak_mb=peaks, median_seconds=times))
+        return out
+
     def summary(self):
         kinds = ('ok', 'crash', 'hang', 'fail')
+        outliers = self.outliers()
         families = sorted({r['family'] for r in self.records})
         two_rank = [r for r in self.records if r['family'] in ('dist', 'mlm')]
         wall = time.monotonic() - self.start
@@ -274,6 +492,17 @@ class Soak:
             exit_worker_runs={m: sum(r['family'] == 'exit-' + m for r in self.records)
                               for m in ('queued', 'raise')},
             counts={k: sum(r['kind'] == k for r in self.records) for k in kinds},
+            outliers=outliers,
+            ranks_per_family={f: dict(
+                peak_mb=dict(median=_median([x['peak_mb'] for r in self.records
+                                             if r['family'] == f for x in r['ranks']]),
+                             max=max([x['peak_mb'] for r in self.records
+                                      if r['family'] == f for x in r['ranks']] or [0])),
+                seconds=dict(median=_median([x['seconds'] for r in self.records
+                                             if r['family'] == f for x in r['ranks']]),
+                             max=max([x['seconds'] for r in self.records
+                                      if r['family'] == f for x in r['ranks']] or [0])))
+                for f in families},
             by_family={f: {k: sum(r['family'] == f and r['kind'] == k for r in self.records)
                            for k in kinds} for f in families},
             by_native={n: {k: sum(r['native'] == n and r['kind'] == k for r in self.records)
@@ -289,6 +518,11 @@ class Soak:
             with open(self.args.json + '.tmp', 'w') as f:
                 json.dump(self.summary(), f, indent=1)
             os.replace(self.args.json + '.tmp', self.args.json)
+
+
+def _median(values):
+    import statistics
+    return round(statistics.median(values), 2) if values else None
 
 
 def _burn():
@@ -315,6 +549,14 @@ def main(argv=None):
                    help='a raising job must end within this (default 60)')
     p.add_argument('--unprotected', action='store_true',
                    help="exit worker without the package's exit drain (baseline)")
+    p.add_argument('--sharded', type=int, default=0,
+                   help='runs of mx-lbsgd mlm --horovod --shard-states (default 0)')
+    p.add_argument('--hvd-broadcast', action='store_true',
+                   help="exit worker with Horovod's own broadcast_parameters")
+    p.add_argument('--plant-hang', type=int, default=0,
+                   help="runs of the exit worker's stuck mode, caught as hangs")
+    p.add_argument('--plant-timeout', type=float, default=20.0,
+                   help='seconds before a planted hang is caught (default 20)')
     p.add_argument('--json', help='write the results here (after every job)')
     p.add_argument('--keep', help='write the output of every job not ok into this folder')
     p.add_argument('--cores', action='store_true',
@@ -322,7 +564,8 @@ def main(argv=None):
                         'size limit; the kernel\'s core_pattern says where): open one with '
                         'gdb python CORE for the native stack of every thread')
     args = p.parse_args(argv)
-    for name in ('jobs', 'queued', 'raising', 'burners', 'mlm_every'):
+    for name in ('jobs', 'queued', 'raising', 'burners', 'mlm_every', 'sharded',
+                 'plant_hang'):
         if getattr(args, name) < 0:
             p.error('argument --%s: must be >= 0, got %d'
                     % (name.replace('_', '-'), getattr(args, name)))
@@ -341,7 +584,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *a: soak.stop.set())
     try:
         with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-            for f in [pool.submit(soak.run_unit, u) for u in soak.units()]:
+            for f in [pool.submit(soak.run_unit, u) for u in soak.all_units()]:
                 try:
                     f.result()
                 except KeyboardInterrupt:
@@ -356,7 +599,9 @@ def main(argv=None):
     print('%d jobs (%d two-rank, exit worker %s) in %.0f s, %.1f jobs/min: %s; load %s'
           % (s['jobs'], s['two_rank_jobs'], s['exit_worker_runs'], s['wall_seconds'],
              s['jobs_per_minute'] or 0, s['counts'], s['load_average_1min']))
-    return 0 if s['counts']['ok'] == s['jobs'] else 1
+    print('outliers (a rank above 2x its family\'s median memory or time): %d'
+          % len(s['outliers']))
+    return 0 if s['counts']['ok'] == s['jobs'] and not s['outliers'] else 1
 
 
 if __name__ == '__main__':

@@ -6,8 +6,9 @@ time per update.
   ``batch_scale=8``, a dynamic loss scaler and ``max_grad_norm=1.0``, after one window:
   ``optimizer_state_bytes()`` and ``accumulator_bytes()`` of each rank, against the
   unsharded total (every parameter's state, the sum over the ranks);
-* bytes per update (``exchange_bytes()``): what each rank sends (alltoall of the gradients,
-  broadcast of its weights, the norm) against a ring allreduce of the gradients;
+* bytes per update (``exchange_bytes()``): what each rank sends (the allreduce of the
+  gradients, the allreduce that gathers the weights, the norm) against a ring allreduce of
+  the gradients;
 * time (2 ranks): float32 ``'lblamb'``, one update per step, the two trainers taking turns
   round after round in one job; a round's time is the slowest rank's, and the ratio is the
   median over rounds of sharded / unsharded.
@@ -47,12 +48,10 @@ def paper_model(ranks=(8, 16, 32, 64, 128, 256, 512, 1024), params=BERT_LARGE,
     unsharded and sharded (whole tensors: the owner of the largest tensor holds at least
     its state), and the seconds per update of the exchange over `gbits` links, each
     direction at full rate: a ring allreduce of the float16 gradients (2 (N-1)/N x 2P bytes
-    each way per rank) against the sharded exchange. Sharded: an alltoall (a rank sends
-    everyone else's shards of its gradient and receives N-1 copies of its own shard) and
-    one broadcast per owner, pipelined (every rank forwards each weight byte once, as
-    NCCL's ring broadcast does). A rank owning P/N moves what the ring moves; the owner of
-    the largest tensor receives N-1 copies of it, which dominates once that tensor is more
-    than 1/N of the model."""
+    each way per rank) against the sharded exchange, two such allreduces (the gradients,
+    and the weights gathered from their owners: Horovod 0.28.1's MXNet alltoall and
+    broadcast read freed memory and are not used). Every rank moves the same, twice the
+    ring's, whichever tensors it owns."""
     rows = []
     for n in ranks:
         ring = 2 * (n - 1) / n * 2 * params
@@ -61,18 +60,9 @@ def paper_model(ranks=(8, 16, 32, 64, 128, 256, 512, 1024), params=BERT_LARGE,
             state_sharded_gb=12 * max(params / n, largest) / 1e9,
             state_sharded_typical_gb=12 * params / n / 1e9, accumulator_gb=4 * params / 1e9,
             ring_allreduce_s=ring * 8 / (gbits * 1e9),
-            sharded_typical_rank_s=_busiest(params / n, params, n) * 8 / (gbits * 1e9),
-            sharded_largest_owner_s=_busiest(max(params / n, largest), params, n) * 8
-            / (gbits * 1e9)))
+            sharded_typical_rank_s=2 * ring * 8 / (gbits * 1e9),
+            sharded_largest_owner_s=2 * ring * 8 / (gbits * 1e9)))
     return rows
-
-
-def _busiest(shard, params, n):
-    """Bytes (float16) a rank owning `shard` parameters sends or receives per update,
-    whichever is more."""
-    sent = 2 * (params - shard) + 2 * params           # alltoall + forwarding the weights
-    received = 2 * (n - 1) * shard + 2 * (params - shard)
-    return max(sent, received)
 
 
 def _params(shapes, dtype, ctx):

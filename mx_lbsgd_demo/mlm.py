@@ -283,7 +283,8 @@ def _build(args, world, resume):
                         lr_scheduler=schedule, loss_scaler=scaler,
                         max_grad_norm=args.max_grad_norm or None)
     if world.hvd is not None:
-        world.hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+        # (hvd.broadcast_parameters: Horovod 0.28.1's MXNet broadcast reads freed memory)
+        mx_lbsgd.distributed.broadcast_parameters(net.collect_params(), root_rank=0)
         trainer = (mx_lbsgd.ShardedTrainer(net.collect_params(), opt) if args.shard_states
                    else world.hvd.DistributedTrainer(net.collect_params(), opt))
     else:

@@ -118,7 +118,7 @@ def build(cfg, net, updates_per_epoch, kvstore=None):
                 scaler = None
         if kvstore == 'horovod':
             hvd = _horovod()
-            hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+            mx_lbsgd.distributed.broadcast_parameters(net.collect_params(), root_rank=0)
             trainer = hvd.DistributedTrainer(net.collect_params(), opt)
         else:
             trainer = mx.gluon.Trainer(net.collect_params(), opt, kvstore=kvstore,

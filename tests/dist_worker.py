@@ -225,8 +225,9 @@ def _exchange(trainer):
 def _save(cfg, net, trainer, rank):
     """`stop_at`: save the weights (rank 0) and the trainer states, for another job."""
     folder = cfg['save_dir']
-    if cfg.get('die_in_save') == rank:      # this rank dies in the middle of the save
-        trainer._hvd = _Dying(trainer._hvd)
+    if cfg.get('die_in_save') == rank:      # this rank dies in the middle of the save:
+        # at the first broadcast of the states (collectives.broadcast_)
+        mx_lbsgd.distributed.collectives.broadcast_ = _die
     if rank == 0 and not cfg.get('die_in_save'):
         net.save_parameters(os.path.join(folder, 'net.params'))
     if isinstance(trainer, mx_lbsgd.ShardedTrainer):
@@ -236,17 +237,9 @@ def _save(cfg, net, trainer, rank):
     _barrier(cfg, None)
 
 
-class _Dying:
-    """horovod.mxnet whose first broadcast kills the process (a rank lost mid-save)."""
-
-    def __init__(self, hvd):
-        self._hvd = hvd
-
-    def __getattr__(self, name):
-        return getattr(self._hvd, name)
-
-    def broadcast_(self, *args, **kwargs):
-        os._exit(1)
+def _die(*args, **kwargs):
+    """A rank lost in the middle of a save."""
+    os._exit(1)
 
 
 def _resume(cfg, net, trainer, kv, rank, num_workers, contexts):

@@ -23,7 +23,7 @@ def main(cfg, out):
         import horovod.mxnet as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
-        hvd.broadcast_parameters(params, root_rank=0)
+        mx_lbsgd.distributed.broadcast_parameters(params, root_rank=0)
         trainer = hvd.DistributedTrainer(params, 'sgd', sgd)
         step_batch = cfg['batch'] // size        # Horovod's convention: this worker's batch
     else:

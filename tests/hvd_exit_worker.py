@@ -10,6 +10,9 @@ nothing waited for. 'raise': the same training, and rank 1 raises at step 3 righ
 'stuck': 'queued', then rank 1 pushes an allreduce rank 0 never runs and rank 0 sleeps
 60 s before its end (rank 1's exit drain cannot finish until then).
 `--unprotected` removes the package's exit drain first (to show what it prevents).
+The initial weights go out with `mx_lbsgd.distributed.broadcast_parameters`;
+`--hvd-broadcast` uses ``hvd.broadcast_parameters`` instead (Horovod 0.28.1's MXNet
+broadcast, which reads a freed name on the engine thread: to measure that defect).
 Prints ``steps done`` once the loop ends on a rank.
 """
 import argparse
@@ -31,6 +34,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument('mode', choices=['queued', 'raise', 'stuck'])
     p.add_argument('--unprotected', action='store_true')
+    p.add_argument('--hvd-broadcast', action='store_true')
     args = p.parse_args()
     hvd.init()
     mx.random.seed(hvd.rank())
@@ -41,7 +45,10 @@ def main():
     net.initialize(mx.init.Xavier())
     net(mx.nd.zeros((1, 32)))
     params = net.collect_params()
-    hvd.broadcast_parameters(params, root_rank=0)
+    if args.hvd_broadcast:
+        hvd.broadcast_parameters(params, root_rank=0)
+    else:
+        mx_lbsgd.distributed.broadcast_parameters(params, root_rank=0)
     trainer = hvd.DistributedTrainer(params, 'lblamb',
                                      dict(learning_rate=0.01, batch_scale=2))
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()

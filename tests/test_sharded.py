@@ -112,7 +112,8 @@ def test_sharded_equals_distributed_trainer(tmp_path, cfg):
         assert all('checked the parameters it owns' in r['note'] for rank in reports
                    for r in rank)
     exchange = info[0]['exchange']
-    assert exchange['reduce'] + exchange['gather'] <= 1.1 * exchange['ring_allreduce']
+    # two in-place allreduces (Horovod 0.28.1's alltoall and broadcast read freed memory)
+    assert exchange['reduce'] == exchange['gather'] == exchange['ring_allreduce']
 
 
 def test_four_ranks(tmp_path):

@@ -50,6 +50,8 @@ PUBLIC_MODULES = (
     'mx_lbsgd.distributed.sharded',
     'mx_lbsgd.distributed.launch',
     'mx_lbsgd.distributed.horovod_exit',
+    'mx_lbsgd.distributed.collectives',
+    'mx_lbsgd.distributed',
     'mx_lbsgd.noise_scale',
     'mx_lbsgd.schedules',
     'mx_lbsgd.lr_scheduler',

@@ -4,20 +4,22 @@ Each rank owns whole parameters (`Partition`: balanced by bytes, largest first),
 optimizer state (fp32 master copies, moments, momentum) of those only, and updates only
 those, so a trust ratio (LARS, LAMB) always sees a whole layer. Once per update::
 
-    reduce:  every rank sends each owner the gradients it owns (one alltoall per dtype,
-             segments of uneven size: no padding), the owner sums what it receives
+    reduce:  one in-place allreduce (sum) per dtype of the gradients, laid out by owner
+             in one flat buffer; each owner keeps the sums of its own
     norm:    with a loss scaler or clipping, one allreduce of a (1,) sum of squares over
              the owned gradients: the global finite check and the clipping norm
     update:  each owner runs the optimizer (every kernel family, the loss-scale gate,
              clipping, the window) on its parameters
-    gather:  each owner broadcasts its updated weights (one broadcast per rank and dtype)
+    gather:  one in-place allreduce (sum) per dtype of the weights, to which every rank
+             but a parameter's owner contributes -0.0: every rank receives the owners' bits
 
-Bytes on the wire per update, summed over ranks: (N - 1) x the gradients for the alltoall
-and (N - 1) x the weights for the broadcasts, which is what a ring allreduce of the
-gradients moves (2 (N - 1) / N x the gradients per rank): `exchange_bytes` reports them.
-Horovod 0.28.1's MXNet ``alltoall`` returns an array whose size the engine learns while it
-runs, so it waits for its result (one wait per update and dtype); the broadcasts and the
-allreduce are asynchronous.
+Horovod 0.28.1's MXNet ``alltoall`` and ``broadcast`` read a freed string on MXNet's engine
+thread when the collective completes before they return (`mx_lbsgd.distributed.collectives`
+says how), which crashed, hung or bloated sharded jobs; its allreduce does not. Both
+exchanges are asynchronous and in place (no wait, no copy): each sends what a ring allreduce
+of the gradients sends, 2 (N - 1) / N x the gradients per rank, so an update moves twice
+``hvd.DistributedTrainer``'s bytes (`exchange_bytes` reports them). What is sharded is the
+optimizer state, not the traffic.
 
 With ``batch_scale > 1`` each rank sums its own micro-batches locally (fp32 accumulators
 for every parameter, ``accumulator_bytes``), and the window's mean is reduced once.
@@ -34,6 +36,7 @@ import mxnet as mx
 from mxnet import nd
 
 from .. import _compat, _kernels, checkpoint
+from . import collectives
 
 __all__ = ['ShardedTrainer', 'Partition', 'partition']
 
@@ -137,16 +140,19 @@ def _horovod() -> Any:
 
 @dataclasses.dataclass
 class _Layout:
-    """The flat buffers of one dtype: parameters in owner order, one segment per rank."""
+    """The flat buffers of one dtype: parameters in owner order, rank r's contiguous."""
 
     dtype: Any
     order: List[int]                  # trainer indices, owner-ordered
-    spans: Dict[int, Tuple[int, int]]  # index -> (start, end) in its owner's segment
-    offsets: Dict[int, Tuple[int, int]]  # index -> (start, end) in `send`
-    sizes: List[int]                  # elements per rank's segment
-    send: nd.NDArray                  # every gradient of this dtype, owner-ordered
-    segments: List[nd.NDArray]        # per rank: its weights (broadcast from it)
-    splits: nd.NDArray                # int32 sizes, for alltoall
+    offsets: Dict[int, Tuple[int, int]]  # index -> (start, end) in `send` and `weights`
+    sizes: List[int]                  # elements each rank owns
+    send: nd.NDArray                  # every gradient of this dtype
+    weights: nd.NDArray               # every weight of this dtype
+
+    def owned(self, rank: int) -> slice:
+        """Rank `rank`'s part of `send` and `weights`."""
+        start = sum(self.sizes[:rank])
+        return slice(start, start + self.sizes[rank])
 
 
 def _layouts(params: Sequence[Any], part: Partition, size: int) -> List[_Layout]:
@@ -158,25 +164,23 @@ def _layouts(params: Sequence[Any], part: Partition, size: int) -> List[_Layout]
     ctx = params[0].list_ctx()[0]
     out = []
     for dtype, order in by_dtype.items():
-        sizes, spans, offsets, at = [0] * size, {}, {}, 0
-        for i in order:
-            r, n = part.owners[i], int(np.prod(params[i].shape))
-            spans[i] = (sizes[r], sizes[r] + n)
+        sizes, offsets, at = [0] * size, {}, 0
+        for i in order:               # owner-ordered: rank r's parameters are contiguous
+            n = int(np.prod(params[i].shape))
             offsets[i] = (at, at + n)
-            sizes[r] += n
+            sizes[part.owners[i]] += n
             at += n
         out.append(_Layout(
-            dtype=dtype, order=order, spans=spans, offsets=offsets, sizes=sizes,
-            send=nd.zeros((sum(sizes),), ctx=ctx, dtype=dtype),
-            segments=[nd.zeros((max(n, 1),), ctx=ctx, dtype=dtype) for n in sizes],
-            splits=nd.array(sizes, ctx=mx.cpu(), dtype='int32')))
+            dtype=dtype, order=order, offsets=offsets, sizes=sizes,
+            send=nd.zeros((at,), ctx=ctx, dtype=dtype),
+            weights=nd.zeros((at,), ctx=ctx, dtype=dtype)))
     return out
 
 
 class ShardedTrainer(_compat.StepHookTrainer):
     """A gluon Trainer that shards the optimizer state over Horovod ranks (see the module
     docstring). Use it where you would write ``hvd.DistributedTrainer``, after
-    ``hvd.init()`` and ``hvd.broadcast_parameters``::
+    ``hvd.init()`` and `mx_lbsgd.distributed.broadcast_parameters`::
 
         trainer = mx_lbsgd.ShardedTrainer(net.collect_params(), 'lblamb', dict(
             learning_rate=1e-3, batch_scale=8, multi_precision=True, max_grad_norm=1.0,
@@ -220,7 +224,7 @@ class ShardedTrainer(_compat.StepHookTrainer):
     >>> net = gluon.nn.Dense(4, in_units=8)
     >>> net.initialize()
     >>> params = net.collect_params()
-    >>> hvd.broadcast_parameters(params, root_rank=0)               # doctest: +SKIP
+    >>> mx_lbsgd.distributed.broadcast_parameters(params)           # doctest: +SKIP
     >>> trainer = mx_lbsgd.ShardedTrainer(params, 'lblamb', {       # doctest: +SKIP
     ...     'learning_rate': 1e-3, 'batch_scale': 2, 'max_grad_norm': 1.0})
     >>> trainer.partition.by_name()          # 2 ranks       # doctest: +SKIP
@@ -299,8 +303,9 @@ class ShardedTrainer(_compat.StepHookTrainer):
             if not np.all(everyone[:, k] == everyone[0, k]):
                 raise ValueError(
                     'ShardedTrainer: parameter %r differs across ranks (sum of |w| per rank: '
-                    '%s); broadcast the parameters first: hvd.broadcast_parameters('
-                    'params, root_rank=0)' % (p.name, everyone[:, k].tolist()))
+                    '%s); broadcast the parameters first: '
+                    'mx_lbsgd.distributed.broadcast_parameters(params, root_rank=0)'
+                    % (p.name, everyone[:, k].tolist()))
         self._checked = True
 
     def _prepare(self) -> None:
@@ -317,10 +322,8 @@ class ShardedTrainer(_compat.StepHookTrainer):
         for layout in self._layouts:      # every weight and gradient a view of the buffers
             for i in layout.order:
                 param, (a, b) = params[i], layout.offsets[i]
-                owner, (c, d) = self.partition.owners[i], layout.spans[i]
-                _compat.rebind_parameter(
-                    param, layout.segments[owner][c:d].reshape(param.shape),
-                    layout.send[a:b].reshape(param.shape))
+                _compat.rebind_parameter(param, layout.weights[a:b].reshape(param.shape),
+                                         layout.send[a:b].reshape(param.shape))
 
     # -- the exchange -----------------------------------------------------------------
     def _reduce_gradients(self) -> None:
@@ -333,16 +336,9 @@ class ShardedTrainer(_compat.StepHookTrainer):
         owned = self._owned_set()
         params = _compat.trainer_params(self)
         for k, layout in enumerate(self._layouts):
-            # the gradients are views of `send`: nothing to copy in
-            grads = [_compat.legacy(params[i].list_grad()[0]) for i in layout.order]
-            received, _ = self._hvd.alltoall(layout.send, splits=layout.splits,
-                                             name='%s.grad.%d' % (self._hvd_prefix, k))
-            rows = [received[r * layout.sizes[self.rank]:(r + 1) * layout.sizes[self.rank]]
-                    for r in range(self.size)]
-            for i, g in zip(layout.order, grads):
-                if i in owned:          # the sum over the ranks, written into the gradient
-                    a, b = layout.spans[i]
-                    nd.add_n(*[row[a:b].reshape(g.shape) for row in rows], out=g)
+            # the gradients are views of `send`: the sums land in place
+            self._hvd.allreduce_(layout.send, average=False,
+                                 name='%s.grad.%d' % (self._hvd_prefix, k))
         # reduced by their owners: nothing to update here
         _compat.clear_fresh_gradients(p for i, p in enumerate(params) if i not in owned)
         if getattr(self.optimizer, 'wants_step_gradients', lambda: False)():
@@ -399,25 +395,29 @@ class ShardedTrainer(_compat.StepHookTrainer):
             self._gather_weights()
 
     def _gather_weights(self) -> None:
-        # the weights are views of the segments: each owner's broadcast lands in place
+        # the weights are views of `weights`: every rank but a parameter's owner
+        # contributes -0.0 to it (x + -0.0 is x, bit for bit), and the sums land in place
         for k, layout in enumerate(self._layouts):
             for r in range(self.size):
-                if layout.sizes[r]:
-                    self._hvd.broadcast_(layout.segments[r], root_rank=r,
-                                         name='%s.weight.%d.%d' % (self._hvd_prefix, k, r))
+                if r != self.rank and layout.sizes[r]:
+                    part = layout.weights[layout.owned(r)]
+                    nd.negative(nd.zeros_like(part), out=part)
+            self._hvd.allreduce_(layout.weights, average=False,
+                                 name='%s.weight.%d' % (self._hvd_prefix, k))
 
     def exchange_bytes(self) -> Dict[str, int]:
-        """Bytes this rank sends per update: ``reduce`` (the alltoall), ``gather`` (its
-        broadcasts, to each other rank), ``norm`` (the sum of squares), and
-        ``ring_allreduce`` (what a ring allreduce of the gradients sends per rank)."""
+        """Bytes this rank sends per update in ring algorithms: ``reduce`` (the gradients'
+        allreduce), ``gather`` (the weights' allreduce), ``norm`` (the sum of squares), and
+        ``ring_allreduce`` (what a ring allreduce of the gradients sends per rank, as
+        ``hvd.DistributedTrainer`` does)."""
         self._prepare()
         n = self.size
         reduce_ = gather = total = 0
         for layout in self._layouts:
             item = np.dtype(layout.dtype).itemsize
             total += sum(layout.sizes) * item
-            reduce_ += (sum(layout.sizes) - layout.sizes[self.rank]) * item
-            gather += layout.sizes[self.rank] * item * (n - 1)
+            reduce_ += int(2 * (n - 1) * sum(layout.sizes) * item / n)
+            gather += int(2 * (n - 1) * sum(layout.sizes) * item / n)
         return {'reduce': reduce_, 'gather': gather, 'norm': 4 if n > 1 else 0,
                 'ring_allreduce': int(2 * (n - 1) * total / n)}
 
@@ -515,9 +515,8 @@ def _gather_states(trainer: ShardedTrainer, updater: Any, opt: Any) -> Dict[int,
             state = updater.states[i]
         else:       # a buffer of the owner's layout, which the broadcast fills
             state = opt.create_state_multi_precision(i, weight)
-        for n, leaf in enumerate(_arrays(state)):
-            trainer._hvd.broadcast_(leaf, root_rank=owner,
-                                    name='%s.state.%d.%d' % (trainer._hvd_prefix, i, n))
+        collectives.broadcast_(_arrays(state), root_rank=owner,
+                               name='%s.state.%d' % (trainer._hvd_prefix, i))
         full[i] = state
     return full
 
