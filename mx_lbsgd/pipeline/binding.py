@@ -81,6 +81,8 @@ class TrainerBinding:
         # weakref to the LossScaling hook over this Trainer (its scaler goes into
         # mx_lbsgd.checkpoint files), or None
         self.loss_scaling: Optional[weakref.ref[LossScaling]] = None
+        # a dist kvstore's first reduction waits for the initial weights' pull
+        self._weights_pulled = False
         if hasattr(trainer.optimizer, 'begin_step'):
             _refuse_dist_sparse_gradients(trainer)
         _compat.wrap_trainer_step(trainer, self._reduce, self._update)
@@ -92,6 +94,9 @@ class TrainerBinding:
 
     def _reduce(self, original: Callable[[], Any]) -> Any:
         trainer, opt = self._trainer(), self._optimizer()
+        if not self._weights_pulled:
+            self._weights_pulled = True
+            _wait_for_initial_weights(trainer)
         self._closes = None
         if opt is None:
             return original()
@@ -178,6 +183,20 @@ class TrainerBinding:
         if missed:                   # states were created or replaced (load_states)
             self._accs = used
         return grads, accs
+
+
+def _wait_for_initial_weights(trainer: mx.gluon.Trainer) -> None:
+    """On a dist kvstore, wait (once, at the first reduction) for the pull of the initial
+    weights that ``Trainer.step`` issued just before (``_init_params``: the kvstore's
+    ``broadcast``). MXNet 1.9.1 does not order that pull with the first gradient push of
+    the same key (different arrays), so a fast peer's push could complete the servers'
+    first sum before this worker's pull was served, and the worker would load the gradient
+    sum as its weights (``docs/distributed/index.md``, "An MXNet 1.9.1 race")."""
+    kind = _compat.trainer_kvstore_type(trainer)
+    if kind and kind.startswith('dist'):
+        for param in _compat.trainer_params(trainer):
+            for data in param.list_data():
+                data.wait_to_read()
 
 
 def _refuse_dist_sparse_gradients(trainer: mx.gluon.Trainer) -> None:
