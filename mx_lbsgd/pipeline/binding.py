@@ -195,7 +195,11 @@ def _wait_for_initial_weights(trainer: mx.gluon.Trainer) -> None:
     kind = _compat.trainer_kvstore_type(trainer)
     if kind and kind.startswith('dist'):
         for param in _compat.trainer_params(trainer):
-            for data in param.list_data():
+            try:
+                arrays = param.list_data()
+            except RuntimeError:     # row_sparse weights: initialized on the servers, no pull
+                continue
+            for data in arrays:
                 data.wait_to_read()
 
 
