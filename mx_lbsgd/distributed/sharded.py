@@ -148,6 +148,7 @@ class _Layout:
     sizes: List[int]                  # elements each rank owns
     send: nd.NDArray                  # every gradient of this dtype
     weights: nd.NDArray               # every weight of this dtype
+    minus_zero: nd.NDArray            # -0.0, as long as the largest part (the gather's)
 
     def owned(self, rank: int) -> slice:
         """Rank `rank`'s part of `send` and `weights`."""
@@ -173,7 +174,8 @@ def _layouts(params: Sequence[Any], part: Partition, size: int) -> List[_Layout]
         out.append(_Layout(
             dtype=dtype, order=order, offsets=offsets, sizes=sizes,
             send=nd.zeros((at,), ctx=ctx, dtype=dtype),
-            weights=nd.zeros((at,), ctx=ctx, dtype=dtype)))
+            weights=nd.zeros((at,), ctx=ctx, dtype=dtype),
+            minus_zero=nd.negative(nd.zeros((max(sizes),), ctx=ctx, dtype=dtype))))
     return out
 
 
@@ -400,8 +402,8 @@ class ShardedTrainer(_compat.StepHookTrainer):
         for k, layout in enumerate(self._layouts):
             for r in range(self.size):
                 if r != self.rank and layout.sizes[r]:
-                    part = layout.weights[layout.owned(r)]
-                    nd.negative(nd.zeros_like(part), out=part)
+                    layout.minus_zero[:layout.sizes[r]].copyto(
+                        layout.weights[layout.owned(r)])
             self._hvd.allreduce_(layout.weights, average=False,
                                  name='%s.weight.%d' % (self._hvd_prefix, k))
 
