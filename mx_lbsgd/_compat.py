@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 import mxnet as mx
 
@@ -404,6 +404,51 @@ def rebind_parameter(param: mx.gluon.Parameter, data: mx.nd.NDArray,
     data._fresh_grad = fresh
 
 
+#: the number of each Trainer that `sum_over_workers` served, in the order of first use (the
+#: same on every worker): its Horovod name and dist kvstore key
+_WORKER_SUMS: 'weakref.WeakKeyDictionary[mx.gluon.Trainer, int]' = weakref.WeakKeyDictionary()
+
+
+def sum_over_workers(trainer: mx.gluon.Trainer, array: mx.nd.NDArray) -> None:
+    """Sum a small float32 `array` over the workers of the Trainer's job, in place and
+    asynchronously (the engine orders it; nothing is read): Horovod's allreduce (in the
+    Trainer's process set) for Horovod's DistributedTrainer and `mx_lbsgd.ShardedTrainer`,
+    a push and pull of a key of its own on a dist kvstore (whose servers sum), nothing
+    with one worker. Every worker must call it at the same point of its step.
+
+    Why: the Trainer keeps its kvstore in the private ``_kvstore`` and Horovod's its
+    process set in ``_process_set``; the Trainer's parameters use the kvstore's int keys
+    0..n-1, so the keys here start at 2^20 (inited on first use, which on a dist kvstore
+    every worker does at once). A kvstore that compresses gradients would quantise the sum:
+    refused."""
+    number = _WORKER_SUMS.get(trainer)
+    if number is None:
+        number = _WORKER_SUMS[trainer] = len(_WORKER_SUMS)
+    if _is_horovod_trainer(trainer):
+        import horovod.mxnet as hvd
+        process_set = getattr(trainer, '_process_set', hvd.global_process_set)
+        if process_set.size() > 1:
+            hvd.allreduce_(array, average=False, name='mx_lbsgd.sum_over_workers.%d' % number,
+                           process_set=process_set)
+        return
+    kv = trainer._kvstore
+    if kv is None or kv.num_workers == 1:
+        return
+    if trainer._compression_params:
+        raise ValueError('a measurement summed over the workers (lr_scaling=\'adascale\') '
+                         'cannot go through a kvstore with gradient compression (%r): the sum '
+                         'would be quantised' % (trainer._compression_params,))
+    key = (1 << 20) + number
+    if number not in _KEYS_INITED:
+        kv.init(key, mx.nd.zeros(array.shape, dtype=array.dtype))
+        _KEYS_INITED.add(number)
+    kv.push(key, array)
+    kv.pull(key, out=array)
+
+
+_KEYS_INITED: set[int] = set()
+
+
 def _is_horovod_trainer(trainer: object) -> bool:
     return type(trainer).__module__.split('.')[0] == 'horovod' or \
         type(trainer).__name__ == 'ShardedTrainer'
@@ -598,14 +643,23 @@ def count_update(opt: mx.optimizer.Optimizer, index: Any) -> None:
     opt._update_count(index)
 
 
-def learning_rates(opt: mx.optimizer.Optimizer, indices: list[Any]) -> list[float]:
+def learning_rates(opt: mx.optimizer.Optimizer, indices: list[Any],
+                   schedule_step: Optional[float] = None) -> list[float]:
     """The learning rate of each index as MXNet's optimizers compute it for an update: the
-    scheduler's rate at ``num_update`` (or ``learning_rate``) times the parameter's
-    ``lr_mult`` (by index or by name).
+    scheduler's rate at ``num_update`` (or at `schedule_step` when given: an optimizer's
+    ``lr_scaling`` progress) times the parameter's ``lr_mult`` (by index or by name).
 
     Why: the public ``learning_rate`` is the rate before the per-parameter multipliers; the
-    whole computation is the private ``Optimizer._get_lrs``."""
-    return opt._get_lrs(indices)
+    whole computation is the private ``Optimizer._get_lrs``, which reads the scheduler's
+    step from ``num_update`` (set here for the call only)."""
+    if schedule_step is None or opt.lr_scheduler is None:
+        return opt._get_lrs(indices)
+    counted = opt.num_update
+    opt.num_update = schedule_step
+    try:
+        return opt._get_lrs(indices)
+    finally:
+        opt.num_update = counted
 
 
 def weight_decays(opt: mx.optimizer.Optimizer, indices: list[Any]) -> list[float]:

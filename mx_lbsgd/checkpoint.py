@@ -53,6 +53,7 @@ import mxnet as mx
 from . import _compat, _legacy
 from .loss_scaling import DynamicLossScaler
 from .pipeline import binding as _binding
+from .pipeline.lr_scaling import LrScalingState
 
 if TYPE_CHECKING:
     from .loss_scaling import LossScaling
@@ -497,6 +498,18 @@ def _check_progress(path: _Path, progress: dict[str, Any]) -> None:
             except (ValueError, TypeError) as err:
                 raise ValueError('optimizer states file %r has a malformed loss scaler state '
                                  '(%s)' % (path, err)) from None
+    if progress.get('lr_scaling') is not None:
+        try:
+            LrScalingState.from_dict(progress['lr_scaling'])
+            window = progress.get('lr_scaling_window')
+            if window is not None:
+                devices, pairs = window
+                if not isinstance(devices, int) or not all(
+                        isinstance(v, float) and isinstance(f, float) for v, f in pairs):
+                    raise TypeError('window norms %r' % (window,))
+        except (ValueError, TypeError, AttributeError) as err:
+            raise ValueError('optimizer states file %r has a malformed lr_scaling state (%s)'
+                             % (path, err)) from None
 
 
 def save_checkpoint(mod: mx.module.Module, prefix: str, epoch: int,

@@ -81,6 +81,15 @@ class LAMB(PipelineOptimizer):
         ``last_grad_norm`` / ``last_clip_coefficient`` report the last update's norm and
         factor as NDArrays. See `mx_lbsgd.pipeline.clip` for how it differs from torch,
         apex and GluonNLP, and for non-finite norms.
+    lr_scaling, lr_scaling_smoothing
+        As in `LBSGD`, except that 'adascale' multiplies the lr by sqrt(r), the square root
+        of AdaScale's gain (the progress still advances by r): AdaScale's derivation holds
+        for SGD, whose step is linear in the gradient, while Adam-type steps are normalised
+        by the second moment, so a batch S times larger, whose gradient variance is S
+        times smaller, calls for about sqrt(S) times the lr in the noise-dominated regime
+        (Malladi et al., "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms",
+        NeurIPS 2022); AdaptDL's AdamScale takes the same power of r. fairscale's AdaScale
+        is SGD-only.
 
     Raises
     ------
@@ -119,6 +128,8 @@ class LAMB(PipelineOptimizer):
     """
 
     counts_applied_updates = True
+    #: lr_scaling='adascale': the lr gain is sqrt(r) (AdaptDL's AdamScale)
+    _gain_power = 0.5
 
     def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-6, lower_bound: Optional[float] = None,

@@ -183,6 +183,20 @@ class LBSGD(PipelineOptimizer):
         ``batch_scale > 1`` a row_sparse gradient accumulates over the union of its rows
         (in a row_sparse buffer for gluon Parameters with ``grad_stype='row_sparse'``).
         LARS norms of such a layer cover the rows present and are read back once.
+    lr_scaling : None or {'linear', 'sqrt', 'adascale'}, default None
+        How the lr grows with the batch (`mx_lbsgd.pipeline.lr_scaling`). With a rule,
+        ``learning_rate`` and ``lr_scheduler`` are the ones tuned at one micro-batch on one
+        worker; each update multiplies the lr by the rule's gain at S = batch_scale x
+        workers (the warmup, if any, rises to that gain instead of ``batch_scale``; LARS's
+        ratio multiplies after it), and the scheduler sees ``scale_invariant_steps`` (the
+        sum of the gains: AdaScale's r, or S). ``last_gain`` is the last update's gain.
+        'adascale' (Johnson et al., ICML 2020) measures the gradient's variance on the
+        step's own gradients: a sum-of-squares pass per micro-batch and one over the
+        reduced gradient, one number reduced over the workers, and one host read per
+        update (shared with a loss scaler's flag read). Needs a gluon Trainer (any engine;
+        'adascale' with ``batch_scale > 1`` needs the window at the Trainer).
+    lr_scaling_smoothing : float in [0, 1), default 0.999
+        Decay per base batch of AdaScale's moving averages.
 
     Raises
     ------

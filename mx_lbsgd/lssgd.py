@@ -56,6 +56,9 @@ class LossScaledSGD(LBSGD):
     max_grad_norm : None or float >= 0
         Global-norm clipping of the unscaled gradient, as in :class:`LBSGD`; its
         sum-of-squares pass is also the step's overflow check.
+    lr_scaling, lr_scaling_smoothing
+        As in :class:`LBSGD`; S is the number of workers ('lssgd' has no window). With
+        'adascale' the loss scaler's flag read also brings AdaScale's norms.
 
     Raises
     ------

@@ -30,23 +30,12 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import List, Sequence, Tuple
-
-import numpy as np
 import mxnet as mx
-from mxnet import nd
 
-from . import _compat, _kernels, _native
-from .pipeline import binding as _binding
+from . import _compat
+from .pipeline import binding as _binding, lr_scaling as _lr_scaling, noise_probe as _probe
 
 __all__ = ['GradientNoiseScale']
-
-#: A squared norm on the device ((1,) array) and the factor that turns it into units of the
-#: mean per-example gradient.
-_Norm = Tuple['mx.nd.NDArray', float]
-#: Per update: (the small gradients' norms, the big gradient's norm, B_small, B_big).
-_Pending = Tuple[List[_Norm], _Norm, float, float]
-
 
 class GradientNoiseScale:
     """Estimates the gradient noise scale of a gluon Trainer that runs an mx_lbsgd
@@ -168,9 +157,9 @@ class GradientNoiseScale:
         # (and its kvstore, whose destructor ends a dist_sync worker cleanly) alive
         self._trainer = weakref.ref(trainer)
         self._devices = len(_compat.trainer_params(trainer)[0].list_ctx())
-        self._pending: list[_Pending] = []   # per update: ([small sums], big sum, B_small, B_big)
-        self._small: list[_Norm] = []        # this update's small sums so far
-        self._ema: list[float] = [0.0, 0.0, 0]   # |G|^2, tr(Sigma), samples
+        self._probe = _probe.NormProbe(self._devices, small_every)
+        self._pending: list[_probe.Observation] = []    # per update, until the next read
+        self._moments = _lr_scaling.SmoothedMoments()
         self._updates = 0
         self._checked = False
         self._binding = _binding.bind(trainer)
@@ -192,33 +181,14 @@ class GradientNoiseScale:
             raise ValueError('GradientNoiseScale: this Trainer updates on the kvstore '
                              '(update_on_kvstore=True), so the reduced gradient never reaches '
                              'the workers; use update_on_kvstore=False')
-        every = self.small_every or (opt.batch_scale if self._window_at_trainer() else 1)
-        if opt.window_position % every:
-            return
-        b_small = self._worker_batch(trainer, opt) / self._devices
-        factor = 1.0 / (b_small * self._loss_scale(trainer, opt))
-        for grads in _gradients_by_device(trainer):
-            self._small.append((_sum_squares(grads), factor ** 2))
+        self._probe.before_reduction(trainer, opt, self._window_at_trainer())
 
     def after_reduction(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer,
                         closes_window: bool) -> None:
         """The reduced gradient that the update applies."""
         if not self._checked:
             self._check_two_sizes(trainer, opt)
-        workers = _compat.trainer_worker_count(trainer, default=1)
-        batch = self._worker_batch(trainer, opt)
-        window = opt.batch_scale if closes_window else 1
-        b_small = batch / self._devices
-        b_big = batch * workers * window
-        # a sharded Trainer's ranks hold the reduced gradients they own: its sum over them
-        reduced = getattr(trainer, 'reduced_sum_of_squares', None)
-        big = reduced() if reduced is not None else _sum_squares(_gradients_by_device(trainer)[0])
-        # the reduced gradient times `mean` is the mean over workers of each worker's
-        # gradient (its sum over `batch` examples; a window's mean of such sums)
-        mean = _compat.reduced_gradient_mean_factor(trainer)
-        factor = mean / (batch * self._loss_scale(trainer, opt))
-        self._pending.append((self._small, (big, factor ** 2), b_small, b_big))
-        self._small = []
+        self._pending.append(self._probe.after_reduction(trainer, opt, closes_window))
         self._updates += 1
         if self._updates % self.interval == 0:
             self.flush()
@@ -227,30 +197,26 @@ class GradientNoiseScale:
         """Read the pending norms now (one host read) and update the estimates."""
         if not self._pending:
             return
-        arrays = [a.as_in_context(mx.cpu()) for small, big, _, _ in self._pending
-                  for a, _ in small + [big]]
-        values = iter(nd.concat(*arrays, dim=0).asnumpy().tolist())
+        values = iter(_probe.read([a for seen in self._pending for a in seen.arrays()]))
         start = self._updates - len(self._pending) + 1
-        for u, (small, (_, big_factor), b_small, b_big) in enumerate(self._pending):
-            sums = [next(values) * f for _, f in small]
-            big_sq = next(values) * big_factor
-            if not sums or not all(map(math.isfinite, sums + [big_sq])) or b_big <= b_small:
+        for u, seen in enumerate(self._pending):
+            norms = seen.resolve([next(values) for _ in range(seen.value_count())])
+            if not norms.small or not all(map(math.isfinite, norms.small + [norms.big])) \
+                    or norms.b_big <= norms.b_small:
                 continue
-            self._estimate(start + u, sum(sums) / len(sums), big_sq, b_small, b_big)
+            self._estimate(start + u, sum(norms.small) / len(norms.small), norms.big,
+                           norms.b_small, norms.b_big)
         self._pending = []
 
     # -- estimation ----------------------------------------------------------------------
     def _estimate(self, update: int, small_sq: float, big_sq: float, b_small: float,
                   b_big: float) -> None:
-        g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
-        trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
-        ema = self._ema
-        ema[0] = self.smoothing * ema[0] + (1 - self.smoothing) * g2
-        ema[1] = self.smoothing * ema[1] + (1 - self.smoothing) * trace
-        ema[2] += 1
-        correction = 1 - self.smoothing ** ema[2]
-        self.gradient_sq, self.trace_sigma = ema[0] / correction, ema[1] / correction
-        self.b_simple = self.trace_sigma / self.gradient_sq if self.gradient_sq > 0 else None
+        g2, trace = _lr_scaling.noise_moments(small_sq, big_sq, b_small, b_big)
+        self._moments.add(g2, trace, self.smoothing)
+        self.gradient_sq, self.trace_sigma = self._moments.gradient_sq, self._moments.trace_sigma
+        gradient_sq = self.gradient_sq or 0.0
+        self.b_simple = (self.trace_sigma / gradient_sq  # type: ignore[operator]
+                         if gradient_sq > 0 else None)
         self.b_small, self.b_big = b_small, b_big
         self.history.append(dict(update=update, b_small=b_small, b_big=b_big,
                                  small_sq=small_sq, big_sq=big_sq,
@@ -262,44 +228,6 @@ class GradientNoiseScale:
         # the Trainer is alive: this runs from __init__ or while it steps
         opt = self._trainer().optimizer  # type: ignore[union-attr]
         return opt.accumulates_at_trainer() and self._binding.window_at_reduction
-
-    @staticmethod
-    def _worker_batch(trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> float:
-        """Examples per step on this worker (over its devices), from the step's batch
-        argument read the way the docs' recipe for each engine passes it:
-
-        - one device, several devices (``local``/``device`` kvstore), Horovod: the step's
-          batch is this worker's (``trainer.step(batch_per_worker)``);
-        - ``dist_*`` kvstores: the step's batch is the job's
-          (``trainer.step(batch_per_worker * kv.num_workers)``, as Module's
-          ``rescale_grad`` is: the servers sum, so only then does the update apply the
-          mean gradient), and this worker's share is that over ``num_workers``.
-
-        The step's batch: Trainer.step(batch_size) sets rescale_grad to scale / batch_size
-        (Horovod's trainer folds its mean over workers into that scale: the quotient is
-        still the argument). Under a `LossScaling` hook, whose Trainer.update sets
-        rescale_grad only after the reduction (with 1/scale folded in): the batch of the
-        hook's last step (NaN before its first, and the update is left out of the
-        estimates)."""
-        hook = _binding.loss_scaling_of(trainer)
-        if hook is not None:
-            step_batch = float(hook.batch_size or math.nan)
-        else:
-            step_batch = _compat.trainer_scale(trainer) / opt.rescale_grad
-        kind = _compat.trainer_kvstore_type(trainer)
-        if kind and kind.startswith('dist'):
-            return step_batch / _compat.trainer_worker_count(trainer, default=math.nan)
-        return step_batch
-
-    @staticmethod
-    def _loss_scale(trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> float:
-        """The scale the observed gradients carry: the optimizer's loss scaler's, or the
-        `LossScaling` hook's (1 when the hook is inactive)."""
-        hook = _binding.loss_scaling_of(trainer)
-        if hook is not None:
-            return float(hook.scale)
-        scaler = getattr(opt, 'loss_scaler', None)
-        return 1.0 if scaler is None else float(scaler.scale)
 
     def _check_two_sizes(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> None:
         self._checked = True
@@ -315,22 +243,3 @@ class GradientNoiseScale:
             '(with a Trainer that reduces once per update: no update_on_kvstore, dense '
             'gradients), more than one device, or more than one worker (dist_sync, Horovod)')
 
-
-def _gradients_by_device(trainer: mx.gluon.Trainer) -> list[list[mx.nd.NDArray]]:
-    """[[gradients of device 0], [of device 1], ...] of the trainable parameters."""
-    params = [p for p in _compat.trainer_params(trainer) if p.grad_req != 'null']
-    return [list(grads) for grads in zip(*[p.list_grad() for p in params])]
-
-
-def _sum_squares(arrays: Sequence[mx.nd.NDArray]) -> mx.nd.NDArray:
-    """A (1,) float32 array on the arrays' device: the sum of their squares (the native
-    operator in one call on CPU; else MXNet's multi_sum_sq per dtype)."""
-    arrays = [a.data if a.stype != 'default' else a for a in arrays]   # sparse: the values
-    ops = _native.ops()
-    dtypes = sorted({np.dtype(a.dtype).name for a in arrays})
-    if ops is not None and arrays[0].context.device_type == 'cpu' \
-            and set(dtypes) <= {'float32', 'float16'}:
-        return ops.sum_sq(*arrays, num_arrays=len(arrays), total=1)
-    parts = [_kernels.sum_squares([a for a in arrays if np.dtype(a.dtype).name == d]).sum()
-             for d in dtypes]
-    return nd.add_n(*parts) if len(parts) > 1 else parts[0]

@@ -47,6 +47,14 @@ def served(key: str, default: DynamicLossScaler | None = None) -> DynamicLossSca
     return _SCALERS.get(key, default)
 
 
+def gradient_scale(scaler: DynamicLossScaler, key: str, gluon: bool) -> float:
+    """The loss scale the gradients of a step of `scaler`'s optimizer carry: Gluon scales
+    the loss by that scaler; a Module graph by the scaler its scale_gradient op (`key`) was
+    served when backward ran (another optimizer's, right after
+    Module.load_optimizer_states)."""
+    return scaler.scale if gluon else served(key, scaler).scale
+
+
 def scale_gradient(data: mx.sym.Symbol, key: str = 'default',
                    name: str | None = None) -> mx.sym.Symbol:
     """Identity in forward; multiplies the gradient by the loss scale in backward.

@@ -1,11 +1,13 @@
 """The update pipeline: the optimizer shell (`PipelineOptimizer`) over its pieces, each with
 one job: accumulation (`window`), global-norm clipping (`clip`), warmup (`warmup`), the
-trust ratio (`trust_ratio`), running a step's calls (`apply`) and the step protocol with a
-gluon Trainer (`binding`)."""
+trust ratio (`trust_ratio`), the lr's gain with the batch (`lr_scaling`, measured by
+`noise_probe`, applied per update by `lr_gain`), running a step's calls (`apply`) and the
+step protocol with a gluon Trainer (`binding`)."""
 from .clip import CLIP_EPS, GlobalNormClip
+from .lr_scaling import LrScaling, LrScalingState
 from .shell import PipelineOptimizer
 from .trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
 from .warmup import Warmup
 
 __all__ = ['PipelineOptimizer', 'TrustRatio', 'DEFAULT_LARS_EXCLUDE', 'Warmup', 'GlobalNormClip',
-           'CLIP_EPS']
+           'CLIP_EPS', 'LrScaling', 'LrScalingState']

@@ -6,7 +6,8 @@ window inside the optimizer with clipping), else one by one (a Trainer's step, w
 `begin_step` measured)::
 
     for each call: count the micro-batch; accumulate it (a window in the optimizer)
-    calls whose window closed: norm per device (clipping), then `run_plan`
+    calls whose window closed: norm per device (clipping), lr x gain (``lr_scaling``),
+                               then `run_plan`
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from ..families.base import KernelFamily
     from ..loss_scaling.scaler import DynamicLossScaler
     from .clip import GlobalNormClip, StepNorms
+    from .lr_gain import LrGain
     from .trust_ratio import TrustRatio
     from .warmup import Warmup
     from .window import InOptimizerWindow
@@ -53,6 +55,7 @@ class StepApplier:
     _warmup: Warmup
     _accumulator: InOptimizerWindow
     _clip: Optional[GlobalNormClip]
+    _lr_gain: Optional[LrGain]
     _norms: Optional[StepNorms]
     _trainer_norms: bool
     _last_norms: Optional[StepNorms]
@@ -112,8 +115,13 @@ class StepApplier:
             if window is None:
                 return None
             grad, rescale_grad = window
-        lrs = _compat.learning_rates(self, index)
-        return _Ready(plan=plan, index=index, weight=weight, grad=grad,
-                      lrs=self._warmup.scale_lrs(lrs, positions),
+        if self._lr_gain is None:
+            lrs = self._warmup.scale_lrs(_compat.learning_rates(self, index), positions)
+        else:
+            gain = self._lr_gain.gain()       # estimated and accounted once per update
+            lrs = _compat.learning_rates(self, index,
+                                         schedule_step=self._lr_gain.piece.state.progress)
+            lrs = self._warmup.scale_lrs(lrs, positions, target=gain)
+        return _Ready(plan=plan, index=index, weight=weight, grad=grad, lrs=lrs,
                       wds=_compat.weight_decays(self, index), rescale_grad=rescale_grad,
                       steps=[k // self.batch_scale for k in positions])   # update number t

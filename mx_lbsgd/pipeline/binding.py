@@ -11,6 +11,8 @@ and owns what happens between them::
                        job); never read on finite steps
                window: micro-batch < B: sum it locally into the accumulators, do not reduce
                        micro-batch = B: write the window's mean into the gradients, reduce
+      (before and after the reduction: optimizer.observe_micro_batch / observe_reduction,
+       for its lr_scaling's norms)
       update:  optimizer.begin_step(every fresh gradient, closes_window, trainer,
                                     local flags)                          # the event
                then MXNet's per-device Updaters call optimizer.update_multi_precision
@@ -102,6 +104,8 @@ class TrainerBinding:
             return original()
         for observer in list(self.observers):
             observer.before_reduction(trainer, opt)
+        opt.observe_micro_batch(trainer, self.window_at_reduction and not self._sparse
+                                and opt.accumulates_at_trainer())
         if _compat.trainer_updates_on_kvstore(trainer):
             opt.refuse_updates_on_kvstore()
             return original()
@@ -130,6 +134,7 @@ class TrainerBinding:
         result = original()
         for observer in self.observers:
             observer.after_reduction(trainer, opt, closes_window)
+        opt.observe_reduction(trainer, closes_window)
         return result
 
     def _update(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -56,6 +56,7 @@ from .. import _kernels
 from ..families.base import GradNorm
 
 if TYPE_CHECKING:
+    from .lr_gain import LrGain
     from .progress import SkipLedger
 
 #: added to the norm before dividing (torch's clip_grad_norm_ uses the same)
@@ -112,11 +113,15 @@ class GlobalNormClip:
     @staticmethod
     def all_finite(norms: StepNorms) -> bool:
         """Whether every device's norm is finite: one host read."""
+        return math.isfinite(float(GlobalNormClip.total(norms).asscalar()))
+
+    @staticmethod
+    def total(norms: StepNorms) -> nd.NDArray:
+        """The sum of every device's sum of squares, on the first device (not read)."""
         sums = [n.sum_sq for n in norms.values()]
         first = sums[0]
-        total = first if len(sums) == 1 else nd.add_n(
+        return first if len(sums) == 1 else nd.add_n(
             first, *(s.as_in_context(first.context) for s in sums[1:]))
-        return math.isfinite(float(total.asscalar()))
 
 
 def refuse_kvstore_updates(owner: str) -> None:
@@ -159,6 +164,7 @@ class ClipViews:
     _clip: Optional[GlobalNormClip]
     _last_norms: Optional[StepNorms]
     _ledger: SkipLedger
+    _lr_gain: Optional[LrGain]
     _name: Callable[[Any], Optional[str]]
 
     def _last(self) -> Optional[GradNorm]:
@@ -189,8 +195,10 @@ class ClipViews:
         non-finite norm on the device (no host read); MXNet's operators cannot, so for
         them the norm is read once and a non-finite step is skipped, with a warning that
         names the first non-finite gradient."""
-        if all(p.skips_on_device for p in plans) or \
-                GlobalNormClip.all_finite(norms):
+        # an lr_scaling='adascale' step has read its reduced gradient's norm already
+        known = None if self._lr_gain is None else self._lr_gain.known_finite()
+        if all(p.skips_on_device for p in plans) or known or \
+                (known is None and GlobalNormClip.all_finite(norms)):
             return True
         first = next((i for i, g in zip(index, grads)
                       if not _kernels.finite_flag([g], None).asscalar()), None)

@@ -11,8 +11,9 @@ the group, else to its per-tensor and multi-tensor kernels by tensor size
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
+import mxnet as mx
 from mxnet import nd
 
 from .. import _kernels
@@ -57,6 +58,32 @@ class Plan:
     def fits(self, state: Sequence[Any]) -> bool:
         """Whether the Updater still holds the state objects this plan was made for."""
         return all(a is b for a, b in zip(self.state, state))
+
+
+class PlanCache:
+    """The plan of each call signature (context, indices), made once and re-made when the
+    Updater's state objects change (states created or loaded)."""
+
+    def __init__(self) -> None:
+        self._plans: Dict[Any, Plan] = {}
+
+    def get(self, index: List[Any], weight: List[mx.nd.NDArray], grad: List[mx.nd.NDArray],
+            state: List[Any], *, family: KernelFamily, trust: Optional[TrustRatio],
+            fused: Optional[bool], name: Callable[[Any], Optional[str]],
+            split: Callable[[mx.nd.NDArray, Any], StateParts]) -> Plan:
+        """The plan of this call; `name` gives a parameter's name, `split` its state's parts
+        (both validate, so a bad state or name fails before anything runs)."""
+        key = (weight[0].context, tuple(index))
+        plan = self._plans.get(key)
+        if plan is not None and plan.fits(state):
+            return plan
+        parts = [split(w, s) for w, s in zip(weight, state)]
+        names = [name(i) for i in index]
+        plan = make_plan(family=family, trust=trust, fused=fused, names=names,
+                         labels=[n or i for n, i in zip(names, index)], weight=weight,
+                         grad=grad, state=state, parts=parts)
+        self._plans[key] = plan
+        return plan
 
 
 def make_plan(*, family: KernelFamily, trust: Optional[TrustRatio], fused: Optional[bool],

@@ -8,6 +8,7 @@ its micro-batches; `SkipLedger` keeps ``num_update`` (what an ``lr_scheduler`` s
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
@@ -16,7 +17,10 @@ import mxnet as mx
 from .. import _compat
 from ..loss_scaling.scaler import DynamicLossScaler
 
+from .lr_scaling import LrScalingState
+
 if TYPE_CHECKING:
+    from .lr_gain import LrGain
     from .warmup import Warmup
 
 
@@ -134,20 +138,61 @@ class ProgressViews:
 
     _ledger: SkipLedger
     _warmup: Warmup
+    _lr_gain: Optional[LrGain]
     loss_scaler: Optional[DynamicLossScaler]
     batch_scale: int
     counts_applied_updates: bool
     num_update: int
+    lr: float
 
     def progress(self) -> Dict[str, Any]:
-        """What resuming bit for bit needs besides the per-parameter states: counters and
-        the loss-scaler state (plain Python values)."""
-        return progress(self, self._ledger, self.loss_scaler)
+        """What resuming bit for bit needs besides the per-parameter states: counters, the
+        loss-scaler state and the ``lr_scaling`` state (plain Python values)."""
+        saved = progress(self, self._ledger, self.loss_scaler)
+        if self._lr_gain is not None:
+            saved['lr_scaling'] = self._lr_gain.piece.state.as_dict()
+            saved['lr_scaling_window'] = self._lr_gain.pending_small()
+        return saved
 
     def load_progress(self, saved: Dict[str, Any]) -> None:
         """Resume `progress()` in place (objects that hold this optimizer's scaler keep
         seeing the live one)."""
         load_progress(self, self._ledger, self.loss_scaler, saved)
+        if saved.get('lr_scaling') is not None:
+            if self._lr_gain is None:
+                warnings.warn('the checkpoint holds an lr_scaling state (progress %.6g) and '
+                              'this optimizer has lr_scaling=None: it is not used'
+                              % saved['lr_scaling'].get('progress', math.nan), RuntimeWarning)
+            else:
+                self._lr_gain.piece.state = LrScalingState.from_dict(saved['lr_scaling'])
+                if saved.get('lr_scaling_window'):
+                    self._lr_gain.restore_small(*saved['lr_scaling_window'])
+
+    @property
+    def learning_rate(self) -> float:
+        """As MXNet's (``lr``, or the lr scheduler's rate, before per-parameter
+        multipliers and warmup), with ``lr_scaling`` at ``scale_invariant_steps``, the step
+        the scheduler sees (reading it never moves a scheduler past the run's progress);
+        the update's lr is this times ``last_gain``."""
+        scheduler = getattr(self, 'lr_scheduler', None)
+        if scheduler is None:
+            return self.lr
+        if self._lr_gain is None:
+            return scheduler(self.num_update)
+        return scheduler(self._lr_gain.piece.state.progress)
+
+    @property
+    def scale_invariant_steps(self) -> Optional[float]:
+        """With ``lr_scaling``: the sum of the gains of the applied updates ('adascale':
+        AdaScale's r; 'linear'/'sqrt': S), in base-batch iterations: the step the lr
+        scheduler sees. None without."""
+        return None if self._lr_gain is None else self._lr_gain.piece.state.progress
+
+    @property
+    def last_gain(self) -> Optional[float]:
+        """With ``lr_scaling``: the lr multiplier of the last applied update (1.0 before
+        the first). None without."""
+        return None if self._lr_gain is None else self._lr_gain.piece.state.last_gain
 
     @property
     def micro_batches(self) -> int:

@@ -21,6 +21,7 @@ from . import binding as _binding, clip as _clip_piece
 if TYPE_CHECKING:
     from ..loss_scaling.scaler import DynamicLossScaler
     from .clip import GlobalNormClip, StepNorms
+    from .lr_gain import LrGain
     from .progress import SkipLedger
 
 
@@ -36,6 +37,7 @@ class StepProtocol:
     num_update: int
     _rescale_grad: float
     _clip: Optional[GlobalNormClip]
+    _lr_gain: Optional[LrGain]
     _norms: Optional[StepNorms]
     _trainer_norms: bool
     _step_sum_sq: Optional[mx.nd.NDArray]
@@ -79,6 +81,8 @@ class StepProtocol:
         then the finite check and the clipping norm use it."""
         self._step_window = closes_window
         self._step_trainer = None if trainer is None else weakref.ref(trainer)
+        if self._lr_gain is not None:
+            self._lr_gain.begin(trainer, cast(Any, self), closes_window)
         self._local_flags = local_flags
         applied = closes_window is True or closes_window is None and self.batch_scale == 1
         self._trainer_norms = self._clip is not None and gradients is not None and applied
@@ -92,6 +96,16 @@ class StepProtocol:
         if self.loss_scaler is not None or self._clip is not None:
             # a window in the optimizer: the gate holds the whole step for the norm
             self._gate.new_step(gradients if self._clip is None or applied else None)
+
+    def observe_micro_batch(self, trainer: Any, window_at_trainer: bool) -> None:
+        """A micro-batch's gradients, before the Trainer reduces (or sums) them."""
+        if self._lr_gain is not None:
+            self._lr_gain.micro_batch(trainer, cast(Any, self), window_at_trainer)
+
+    def observe_reduction(self, trainer: Any, closes_window: bool) -> None:
+        """The Trainer reduced the gradients (`closes_window`: a window's mean)."""
+        if self._lr_gain is not None:
+            self._lr_gain.reduced(trainer, cast(Any, self), closes_window)
 
     def step_outside(self, applied: bool) -> None:
         """A `LossScaling` hook decided a step of its own (this optimizer has no
@@ -120,6 +134,12 @@ class StepProtocol:
         return self.batch_scale > 1
 
     def refuse_updates_on_kvstore(self) -> None:
+        if self._lr_gain is not None:
+            raise ValueError(
+                "%s(lr_scaling=%r) cannot run on the kvstore's servers, which update key by "
+                "key and never see a whole update; use gluon.Trainer(..., "
+                'update_on_kvstore=False) (Module: kvstore=None or local)'
+                % (type(self).__name__, self._lr_gain.piece.rule))
         if self.loss_scaler is not None:
             _scaling.refuse_kvstore_updates(type(self).__name__)
         if self._clip is not None:

@@ -37,7 +37,6 @@ infers a step from attribute writes); Module and bare Updaters call
 """
 from __future__ import annotations
 
-import math
 import os
 import weakref
 import warnings
@@ -52,9 +51,10 @@ from ..families.base import KernelFamily
 from ..loss_scaling import gate as _scaling, graph as _graph_scale, overflow
 from ..loss_scaling.scaler import DynamicLossScaler
 from . import binding as _binding, clip as _clip_piece, progress as _progress, state as _state
+from . import lr_gain as _lr_gain
 from .apply import Call, StepApplier
 from .clip import ClipViews, GlobalNormClip, StepNorms
-from .plan import Plan, make_plan
+from .plan import Plan, PlanCache
 from .protocol import StepProtocol
 from .trust_ratio import TrustRatio
 from .warmup import Warmup
@@ -88,6 +88,15 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         Skipped steps are INFO records on that logger either way.
     check_local_overflow : bool, default False
     max_grad_norm : None or float >= 0
+    lr_scaling : None or {'linear', 'sqrt', 'adascale'}, default None
+        How the lr grows with the batch (`mx_lbsgd.pipeline.lr_scaling`): with a rule,
+        ``learning_rate`` and its scheduler are the ones tuned at the base batch (one
+        micro-batch on one worker), each update's lr is multiplied by the rule's gain at
+        S = batch_scale x workers (after warmup, which then rises to the gain, and before
+        a trust ratio), and the scheduler sees ``scale_invariant_steps`` instead of
+        ``num_update``. Needs a gluon Trainer (any engine).
+    lr_scaling_smoothing : float in [0, 1), default 0.999
+        Decay per base batch of AdaScale's estimates.
     **kwargs
         ``mx.optimizer.Optimizer``'s (``learning_rate``, ``wd``, ``rescale_grad``, ...).
 
@@ -96,7 +105,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     ValueError
         An argument out of range (a negative ``learning_rate``, ``wd`` or
         ``max_grad_norm``, ``fused`` not None/True/False, ``overflow_alert`` not 'warn' or
-        'log', ...), or loss scaling or clipping on a Module that updates on the kvstore.
+        'log', ``lr_scaling`` not a rule, ...), or loss scaling or clipping on a Module that updates on the kvstore.
         When the optimizer is sent to kvstore servers: see the module docstring.
     TypeError
         A number of the wrong type.
@@ -147,7 +156,10 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     _TRANSIENT = ('_scratch', '_plans', '_gate', '_ledger', '_family', '_warmup', '_trust',
                   '_accumulator', '_step_window', '_overflow', '_step_trainer', '_local_flags',
                   '_module_worker', '_clip', '_norms', '_trainer_norms', '_last_norms',
-                  '_step_sum_sq')
+                  '_step_sum_sq', '_lr_gain')
+
+    #: AdaScale's r is raised to this power for the lr gain (1: SGD; LAMB: 0.5)
+    _gain_power = 1.0
 
     _family: KernelFamily
     _gate: _scaling.StepGate[Call]
@@ -160,8 +172,10 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
                  overflow_history_size: int = overflow.HISTORY_SIZE,
                  overflow_log_interval: float = overflow.LOG_INTERVAL,
                  overflow_alert: str = overflow.ALERT, check_local_overflow: bool = False,
-                 max_grad_norm: Optional[float] = None, **kwargs: Any) -> None:
+                 max_grad_norm: Optional[float] = None, lr_scaling: Optional[str] = None,
+                 lr_scaling_smoothing: float = 0.999, **kwargs: Any) -> None:
         check_choice('fused', fused, (None, True, False))
+        _lr_gain.check_args(lr_scaling, lr_scaling_smoothing)
         check_choice('overflow_alert', overflow_alert, overflow.ALERT_CHANNELS)
         if max_grad_norm is not None:
             check_real('max_grad_norm', max_grad_norm, 0.0)
@@ -188,6 +202,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         self.overflow_alert = overflow_alert
         self.check_local_overflow = bool(check_local_overflow)
         self.max_grad_norm = float(max_grad_norm) if max_grad_norm else None
+        self.lr_scaling, self.lr_scaling_smoothing = lr_scaling, float(lr_scaling_smoothing)
         self._module_worker = _compat.creating_module_worker()
         # the Updater hands over every parameter of a dtype at once; kernels chunk by 60
         self.aggregate_num = 1 << 30
@@ -196,9 +211,10 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
 
     def _build_pieces(self) -> None:
         self._scratch: Dict[Any, Any] = {}
-        self._plans: Dict[Any, Plan] = {}
+        self._plans = PlanCache()
         self.__dict__.setdefault('max_grad_norm', None)    # pickled before it existed
         self._clip = GlobalNormClip(self.max_grad_norm) if self.max_grad_norm else None
+        self._lr_gain = _lr_gain.build(self.__dict__, self._gain_power)
         self._norms: Optional[StepNorms] = None   # this step's, by context
         self._trainer_norms = False               # measured by begin_step (a Trainer)
         self._last_norms: Optional[StepNorms] = None
@@ -271,6 +287,8 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     def update_multi_precision(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
         if not isinstance(index, (list, tuple)):
             index, weight, grad, state = [index], [weight], [grad], [state]
+        if self._lr_gain is not None and self._step_trainer is None:
+            _lr_gain.refuse_without_trainer(type(self).__name__, self.lr_scaling)
         self._plan(index, weight, grad, state)    # validates states and names first
         if self._step_window is False:
             self._count_micro_batch(index)      # summed at the Trainer; nothing to apply yet
@@ -313,13 +331,14 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         applied, the norm's sum-of-squares pass is the check (one pass, one host read)."""
         if self._step_sum_sq is not None:        # a sharded Trainer's, over every rank
             self._last_norms = self._norms or self._last_norms
-            return math.isfinite(float(self._step_sum_sq.asscalar()))
+            return _lr_gain.value_is_finite(self._lr_gain, self._step_sum_sq)
+        # (an lr_scaling='adascale' update's norms come along in the same read)
         if self._clip is None or not (self.batch_scale == 1 or self._step_window):
-            return _scaling.all_finite(grads, fused)
+            return _lr_gain.all_finite(self._lr_gain, grads, fused)
         if not self._trainer_norms or self._norms is None:
             self._norms = self._clip.measure(grads, self.rescale_grad / self._gate.loss_scale)
         self._last_norms = self._norms
-        return self._clip.all_finite(self._norms)
+        return _lr_gain.norms_finite(self._lr_gain, self._norms)
 
     def _report(self, skipped: bool, grads: Sequence[mx.nd.NDArray],
                 calls: List[Call]) -> None:
@@ -341,26 +360,15 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         optimizer's scaler; a Module graph by the scaler its scale_gradient op was served
         when backward ran (another optimizer's, right after Module.load_optimizer_states).
         (Only with a loss_scaler.)"""
-        scaler = cast(DynamicLossScaler, self.loss_scaler)
-        if self.param_dict:
-            return scaler.scale
-        return _graph_scale.served(self.scale_key, scaler).scale
+        return _graph_scale.gradient_scale(cast(DynamicLossScaler, self.loss_scaler),
+                                           self.scale_key, gluon=bool(self.param_dict))
 
     def _plan(self, index: List[Any], weight: List[mx.nd.NDArray],
               grad: List[mx.nd.NDArray], state: List[Any]) -> Plan:
-        """The plan of this call signature (`plan`), made once and re-made when the
-        Updater's state objects change."""
-        key = (weight[0].context, tuple(index))
-        plan = self._plans.get(key)
-        if plan is not None and plan.fits(state):
-            return plan
-        parts = [self.split_state(w, s) for w, s in zip(weight, state)]
-        names = [self._name(i) for i in index]
-        plan = make_plan(family=self._family, trust=self._trust, fused=self.fused,
-                         names=names, labels=[n or i for n, i in zip(names, index)],
-                         weight=weight, grad=grad, state=state, parts=parts)
-        self._plans[key] = plan
-        return plan
+        """The plan of this call signature (`plan.PlanCache`)."""
+        return self._plans.get(index, weight, grad, state, family=self._family,
+                               trust=self._trust, fused=self.fused, name=self._name,
+                               split=self.split_state)
 
     # -- pickling (Trainer.save_states, kvstore servers, copies) --------------------------
     def __getstate__(self) -> Dict[str, Any]:
@@ -372,7 +380,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
             state.pop(transient, None)
         state['_skipped_updates'] = self._ledger.skipped_updates
         state['last_step_skipped'] = self._ledger.last_step_skipped
-        return state
+        return _lr_gain.pickled(self._lr_gain, state)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(_legacy.upgrade_optimizer_state(state))

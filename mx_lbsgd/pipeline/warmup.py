@@ -5,7 +5,8 @@ MXNet LBSGD's warmup rises from 1 to the batch scale B over W micro-batches::
     mult(n) = warmup_multiplier(offset + n, W, B, shape)     # schedules.WARMUP_SHAPES
 
 where n counts this run's micro-batches (skipped windows are not counted) and ``offset``
-is ``begin_epoch * updates_per_epoch``.
+is ``begin_epoch * updates_per_epoch``. With an ``lr_scaling`` rule the warmup rises to
+the rule's gain of the update instead of B (`lr_scaling`).
 """
 from __future__ import annotations
 
@@ -47,20 +48,23 @@ class Warmup:
         self.batch_scale = batch_scale
         self.offset = offset
 
-    def multiplier(self, position: int) -> float:
-        """The learning-rate multiplier at micro-batch `position` of this run."""
+    def multiplier(self, position: int, target: Optional[float] = None) -> float:
+        """The learning-rate multiplier at micro-batch `position` of this run, rising to
+        `target` (an ``lr_scaling`` gain) instead of the batch scale when given."""
+        final = self.batch_scale if target is None else target
         if self.shape is None:
-            return 1.0
-        return warmup_multiplier(self.offset + position, self.warmup_steps,
-                                 self.batch_scale, self.shape)
+            return 1.0 if target is None else target
+        return warmup_multiplier(self.offset + position, self.warmup_steps, final,
+                                 self.shape)
 
-    def scale_lrs(self, lrs: List[float], positions: Sequence[int]) -> List[float]:
-        """lrs[i] * multiplier(positions[i]); parameters of one call mostly share a
-        position, so each position is computed once."""
-        if self.shape is None:
+    def scale_lrs(self, lrs: List[float], positions: Sequence[int],
+                  target: Optional[float] = None) -> List[float]:
+        """lrs[i] * multiplier(positions[i], target); parameters of one call mostly share
+        a position, so each position is computed once."""
+        if self.shape is None and target is None:
             return lrs
         mults: Dict[int, float] = {}
         for p in positions:
             if p not in mults:
-                mults[p] = self.multiplier(p)
+                mults[p] = self.multiplier(p, target)
         return [lr * mults[p] for lr, p in zip(lrs, positions)]
