@@ -422,6 +422,7 @@ def sum_over_workers(trainer: mx.gluon.Trainer, array: mx.nd.NDArray) -> None:
     every worker does at once). A kvstore that compresses gradients would quantise the sum:
     refused."""
     number = _WORKER_SUMS.get(trainer)
+    first = number is None
     if number is None:
         number = _WORKER_SUMS[trainer] = len(_WORKER_SUMS)
     if _is_horovod_trainer(trainer):
@@ -439,14 +440,10 @@ def sum_over_workers(trainer: mx.gluon.Trainer, array: mx.nd.NDArray) -> None:
                          'cannot go through a kvstore with gradient compression (%r): the sum '
                          'would be quantised' % (trainer._compression_params,))
     key = (1 << 20) + number
-    if number not in _KEYS_INITED:
+    if first:
         kv.init(key, mx.nd.zeros(array.shape, dtype=array.dtype))
-        _KEYS_INITED.add(number)
     kv.push(key, array)
     kv.pull(key, out=array)
-
-
-_KEYS_INITED: set[int] = set()
 
 
 def _is_horovod_trainer(trainer: object) -> bool:

@@ -91,7 +91,7 @@ class Observation:
 
 
 def read(arrays: Sequence[mx.nd.NDArray]) -> List[float]:
-    """Host values of (1,) arrays on any devices, in one read."""
+    """Host values of small 1-d arrays on any devices, in order, in one read."""
     if not arrays:
         return []
     host = [a.as_in_context(mx.cpu()) for a in arrays]
