@@ -53,6 +53,7 @@ import mxnet as mx
 from . import _compat, _legacy
 from .loss_scaling import DynamicLossScaler
 from .pipeline import binding as _binding
+from .pipeline.batch_choice import BatchChoiceState
 from .pipeline.lr_scaling import LrScalingState
 
 if TYPE_CHECKING:
@@ -407,6 +408,10 @@ def load_states(target: _Target, path: _Path, trusted: bool = False) -> None:
         chosen.append(states)
     if progress is not None:
         _check_progress(path, progress)
+        try:
+            getattr(opt, 'check_progress', lambda saved: None)(progress)
+        except ValueError as err:
+            raise ValueError('optimizer states file %r: %s' % (path, err)) from None
     for k, (updater, states) in enumerate(zip(updaters, chosen)):
         updater.states = dict(states) if k == 0 else pickle.loads(pickle.dumps(states))
         updater.states_synced = dict.fromkeys(updater.states, False)
@@ -507,9 +512,21 @@ def _check_progress(path: _Path, progress: dict[str, Any]) -> None:
                 if not isinstance(devices, int) or not all(
                         isinstance(v, float) and isinstance(f, float) for v, f in pairs):
                     raise TypeError('window norms %r' % (window,))
+            previous = progress.get('lr_scaling_previous')
+            if previous is not None:
+                square, buffers = previous
+                if not isinstance(square, float) or not all(
+                        isinstance(b, mx.nd.NDArray) and b.dtype == np.float32 for b in buffers):
+                    raise TypeError('previous gradient %r' % (type(previous),))
         except (ValueError, TypeError, AttributeError) as err:
             raise ValueError('optimizer states file %r has a malformed lr_scaling state (%s)'
                              % (path, err)) from None
+    if progress.get('batch_choice') is not None:
+        try:
+            BatchChoiceState.from_dict(progress['batch_choice'])
+        except (ValueError, TypeError, AttributeError, KeyError) as err:
+            raise ValueError("optimizer states file %r has a malformed batch_scale='auto' "
+                             'state (%s)' % (path, err)) from None
 
 
 def save_checkpoint(mod: mx.module.Module, prefix: str, epoch: int,

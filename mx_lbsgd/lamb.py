@@ -4,10 +4,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
-from ._checks import check_int, check_real
+from ._checks import check_real
 from .families import LAMBFamily
 from .loss_scaling import DynamicLossScaler, as_scaler
 from .pipeline import PipelineOptimizer, TrustRatio, Warmup
+from .pipeline.batch_choice import check_args as check_batch_scale
 
 #: `trust_exclude=True`: BERT practice leaves LayerNorm/BatchNorm and biases out of the ratio
 BERT_TRUST_EXCLUDE = ('bias', 'gamma', 'beta')
@@ -58,7 +59,9 @@ class LAMB(PipelineOptimizer):
     bias_correction : bool, default True
     multi_precision : bool
         Keep fp32 master weights (and fp32 moments) for float16 weights.
-    batch_scale : int >= 1
+    batch_scale : int >= 1 or 'auto'
+        Micro-batches per update; 'auto': chosen for goodput within ``batch_scale_bounds``
+        (with an ``lr_scaling`` rule; see `mx_lbsgd.pipeline.PipelineOptimizer`).
     trust_exclude : None, True, sequence of str, or callable(name) -> bool
         Layers whose trust ratio is 1. None: none (as MXNet's LAMB). True: names ending in
         'bias', 'gamma' or 'beta' (BERT practice). Names come from ``param_dict`` (Gluon) or
@@ -134,7 +137,7 @@ class LAMB(PipelineOptimizer):
     def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-6, lower_bound: Optional[float] = None,
                  upper_bound: Optional[float] = None, bias_correction: bool = True,
-                 multi_precision: bool = False, batch_scale: int = 1,
+                 multi_precision: bool = False, batch_scale: Union[int, str] = 1,
                  trust_exclude: Union[None, Literal[True], Sequence[str],
                                       Callable[[str], bool]] = None,
                  fused: Optional[bool] = None,
@@ -155,7 +158,8 @@ class LAMB(PipelineOptimizer):
                     and all(isinstance(s, str) for s in trust_exclude))):
             raise TypeError('trust_exclude must be None, True, a list of name suffixes or a '
                             'callable(name) -> bool; got %r' % (trust_exclude,))
-        check_int('batch_scale', batch_scale, 1)
+        check_batch_scale(batch_scale, kwargs.get('batch_scale_bounds'),
+                          kwargs.get('batch_scale_interval', 16), kwargs.get('lr_scaling'))
         super().__init__(learning_rate=learning_rate, batch_scale=batch_scale, fused=fused,
                          loss_scaler=None if loss_scaler is None else as_scaler(loss_scaler),
                          count_skipped_steps=count_skipped_steps, scale_key=scale_key,

@@ -9,6 +9,7 @@ from ._legacy import Ledger as _Ledger  # noqa: F401  (mx_lbsgd 0.1 files pickle
 from .families import SGDFamily
 from .loss_scaling import DynamicLossScaler, as_scaler
 from .pipeline import DEFAULT_LARS_EXCLUDE, PipelineOptimizer, TrustRatio, Warmup
+from .pipeline.batch_choice import check_args as check_batch_scale
 from .schedules import WARMUP_SHAPES, WARMUP_STRATEGIES
 
 #: MXNet LBSGD's ``updates_per_epoch`` default, used when none is given
@@ -118,8 +119,12 @@ class LBSGD(PipelineOptimizer):
     warmup_strategy : one of `mx_lbsgd.WARMUP_STRATEGIES` ('linear', 'power2', 'sqrt', 'lars')
         'lars' is MXNet's spelling of LARS without a warmup (multiplier 1, ``lars=True``).
     warmup_epochs : float >= 0
-    batch_scale : int >= 1
-        Micro-batches per update; also the final learning-rate multiplier of the warmup.
+    batch_scale : int >= 1 or 'auto'
+        Micro-batches per update; also the final learning-rate multiplier of the warmup
+        (without ``lr_scaling``). 'auto': the window length that gives the most goodput,
+        chosen within ``batch_scale_bounds=(lo, hi)`` every ``batch_scale_interval``
+        updates (default 16) from measured window times and the noise scale; it needs an
+        ``lr_scaling`` rule (`mx_lbsgd.pipeline.batch_choice`).
     updates_per_epoch : None or int >= 1
         Micro-batches per epoch (warmup length W = warmup_epochs * updates_per_epoch).
         None: MXNet's default of 32, with a UserWarning when that decides a warmup's
@@ -250,7 +255,7 @@ class LBSGD(PipelineOptimizer):
 
     def __init__(self, momentum: float = 0.0, multi_precision: bool = False,
                  warmup_strategy: str = 'linear', warmup_epochs: float = 5,
-                 batch_scale: int = 1, updates_per_epoch: Optional[int] = None,
+                 batch_scale: Union[int, str] = 1, updates_per_epoch: Optional[int] = None,
                  begin_epoch: int = 0,
                  num_epochs: int = 60, lars: Optional[bool] = None, lars_eta: float = 0.001,
                  lars_eps: float = 0.0, lars_min: float = 0.0, lars_max: float = float('inf'),
@@ -263,9 +268,11 @@ class LBSGD(PipelineOptimizer):
         check_bool('nesterov', nesterov)
         check_choice('warmup_strategy', warmup_strategy, WARMUP_STRATEGIES)
         check_real('warmup_epochs', warmup_epochs, 0.0)
-        check_int('batch_scale', batch_scale, 1)
+        first, bounds = check_batch_scale(batch_scale, kwargs.get('batch_scale_bounds'),
+                                          kwargs.get('batch_scale_interval', 16),
+                                          kwargs.get('lr_scaling'))
         per_epoch = _updates_per_epoch(updates_per_epoch, warmup_strategy, warmup_epochs,
-                                       batch_scale)
+                                       first if bounds is None else bounds[1])
         check_int('begin_epoch', begin_epoch, 0)
         check_int('num_epochs', num_epochs, 1)
         if lars is not None and not isinstance(lars, bool):    # (1 == True)

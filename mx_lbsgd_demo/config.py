@@ -12,11 +12,17 @@ from typing import Optional, Tuple, Union
 from .data import DATASETS
 
 __all__ = ['OPTIMIZERS', 'WARMUP_OPTIMIZERS', 'ACCUMULATING_OPTIMIZERS', 'DEFAULT_LR', 'DEFAULT_LARS_LR', 'DEMO_DEFAULTS',
-           'ConfigError', 'TrainConfig', 'check', 'baseline_config']
+           'LR_SCALING_RULES', 'LR_SCALING_OPTIMIZERS', 'AUTO_OPTIMIZERS', 'AUTO_BOUNDS',
+           'ConfigError', 'TrainConfig', 'check', 'baseline_config', 'longest_window']
 
 OPTIMIZERS = ('lbsgd', 'lssgd', 'sgd', 'mxnet-lbsgd', 'lars', 'lblamb')
 WARMUP_OPTIMIZERS = ('lbsgd', 'mxnet-lbsgd')     # the ones with warmup and batch_scale
 ACCUMULATING_OPTIMIZERS = WARMUP_OPTIMIZERS + ('lblamb',)     # the ones with batch_scale
+LR_SCALING_RULES = ('linear', 'sqrt', 'adascale')
+LR_SCALING_OPTIMIZERS = ('lbsgd', 'lssgd', 'lblamb')   # the ones with lr_scaling
+AUTO_OPTIMIZERS = ('lbsgd', 'lblamb')                   # the ones with batch_scale='auto'
+#: batch_scale_bounds of batch_scale='auto' when none are given
+AUTO_BOUNDS = (1, 16)
 #: Learning rate used when none is given (measured on digits, batch 32, momentum 0.9).
 DEFAULT_LR = {'lbsgd': 0.05, 'lssgd': 0.05, 'sgd': 0.05, 'mxnet-lbsgd': 0.05, 'lars': 2.0,
               'lblamb': 0.01}
@@ -40,7 +46,7 @@ class TrainConfig:
     warmup_strategy: str = 'linear'
     warmup_epochs: float = 1.0
     batch_size: int = 32
-    batch_scale: int = 1
+    batch_scale: Union[int, str] = 1           # or 'auto' (lr_scaling needed)
     epochs: int = 15
     lr: Optional[float] = None                 # None: DEFAULT_LR / DEFAULT_LARS_LR
     momentum: float = 0.9
@@ -60,6 +66,8 @@ class TrainConfig:
     warmup_from: Optional[float] = None        # sgd/lssgd/lars: linear warmup from this lr
     hybridize: bool = True                     # Gluon hybridize(static_alloc=True)
     max_grad_norm: Optional[float] = None      # global-norm clipping of the applied gradient
+    lr_scaling: Optional[str] = None           # None or one of LR_SCALING_RULES
+    batch_scale_bounds: Optional[Tuple[int, int]] = None   # 'auto': None is AUTO_BOUNDS
 
     def resolved_lr(self):
         if self.lr is not None:
@@ -87,8 +95,24 @@ def check(cfg):
         raise ConfigError('dataset=%r is not supported; expected one of %r'
                           % (cfg.dataset, DATASETS))
     if cfg.batch_scale != 1 and cfg.optimizer not in ACCUMULATING_OPTIMIZERS:
-        raise ConfigError('batch_scale=%d needs optimizer lbsgd, mxnet-lbsgd or lblamb (got %s)'
+        raise ConfigError('batch_scale=%s needs optimizer lbsgd, mxnet-lbsgd or lblamb (got %s)'
                           % (cfg.batch_scale, cfg.optimizer))
+    if cfg.lr_scaling not in (None,) + LR_SCALING_RULES:
+        raise ConfigError('lr_scaling=%r is not supported; expected one of %r'
+                          % (cfg.lr_scaling, (None,) + LR_SCALING_RULES))
+    if cfg.lr_scaling is not None and cfg.optimizer not in LR_SCALING_OPTIMIZERS:
+        raise ConfigError('lr_scaling needs optimizer lbsgd, lssgd or lblamb (got %s)'
+                          % cfg.optimizer)
+    if cfg.batch_scale == 'auto':
+        if cfg.optimizer not in AUTO_OPTIMIZERS:
+            raise ConfigError("batch_scale='auto' needs optimizer lbsgd or lblamb (got %s)"
+                              % cfg.optimizer)
+        if cfg.lr_scaling is None:
+            raise ConfigError("batch_scale='auto' needs an lr_scaling rule (%s)"
+                              % ', '.join(LR_SCALING_RULES))
+    elif cfg.batch_scale_bounds is not None:
+        raise ConfigError("batch_scale_bounds needs batch_scale='auto' (got batch_scale=%s)"
+                          % cfg.batch_scale)
     if cfg.warmup_from is not None and cfg.optimizer in WARMUP_OPTIMIZERS:
         raise ConfigError('warmup_from is for optimizers without a warmup of their own, '
                           'not %s' % cfg.optimizer)
@@ -107,4 +131,11 @@ def baseline_config(cfg):
     return dataclasses.replace(
         cfg, optimizer='sgd', warmup_strategy='linear', batch_scale=1, lr=None,
         dtype='float32', loss_scale=None, kvstore=None, warmup_from=None, lr_decay=None,
-        max_grad_norm=None)
+        max_grad_norm=None, lr_scaling=None, batch_scale_bounds=None)
+
+
+def longest_window(cfg):
+    """The longest window of `cfg`: batch_scale, or hi of 'auto''s bounds."""
+    if cfg.batch_scale != 'auto':
+        return cfg.batch_scale
+    return (cfg.batch_scale_bounds or AUTO_BOUNDS)[1]

@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 
-__all__ = ['TRAINING_PANELS', 'NOISE_SCALE_PANEL', 'describe', 'plot_training',
+__all__ = ['TRAINING_PANELS', 'NOISE_SCALE_PANEL', 'SCALING_PANEL', 'describe', 'plot_training',
            'plot_schedule', 'plot_study']
 
 
@@ -20,13 +20,20 @@ def describe(result):
     """One line: optimizer, dtype, batch (micro x scale), warmup, loss scaling."""
     cfg = result['config']
     text = '%s %s, batch %d' % (cfg['optimizer'], cfg['dtype'], cfg['batch_size'])
-    if cfg['batch_scale'] > 1:
+    auto = cfg['batch_scale'] == 'auto'
+    if auto:
+        text += ' x auto %d..%d (last %d = %d)' % (
+            cfg['batch_scale_bounds'][0], cfg['batch_scale_bounds'][1],
+            result['final_batch_scale'], result['effective_batch_size'])
+    elif cfg['batch_scale'] > 1:
         text += ' x %d = %d' % (cfg['batch_scale'], result['effective_batch_size'])
     if result.get('warmup_strategy') == 'lars':
         text += ', LARS'
-    elif result.get('warmup_strategy') and (cfg['batch_scale'] > 1
-                                            or cfg.get('warmup_from') is not None):
+    elif result.get('warmup_strategy') and cfg['warmup_epochs'] and (
+            auto or cfg['batch_scale'] > 1 or cfg.get('warmup_from') is not None):
         text += ', %s warmup %g ep' % (result['warmup_strategy'], cfg['warmup_epochs'])
+    if cfg.get('lr_scaling'):
+        text += ', lr_scaling %s' % cfg['lr_scaling']
     if cfg['loss_scale'] != 'none':
         text += ', loss scale %s' % cfg['loss_scale']
     return text + ', lr %g' % cfg['lr']
@@ -46,6 +53,8 @@ GRAD_NORM_PANEL = ('gradient norm per step before clipping (right axis of the tr
                    'panel; the clip threshold dotted)')
 NOISE_SCALE_PANEL = ('gradient noise scale B_simple per epoch (log scale; the effective '
                      'batch as a horizontal line)')
+SCALING_PANEL = ('lr_scaling: the lr gain per update, and the window length and the batch '
+                 'of each update (batch_scale auto) per step')
 
 
 def plot_training(result, path, baseline=None):
@@ -59,14 +68,19 @@ def plot_training(result, path, baseline=None):
         runs.append((baseline, 'baseline: ' + describe(baseline), 'C1'))
     cfg = result['config']
     panels = list(TRAINING_PANELS)
-    if result.get('noise_scale_interval') is None:
-        fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    else:
-        fig = plt.figure(figsize=(15.5, 7.5))
-        grid = fig.add_gridspec(2, 3)
-        axes = np.array([[fig.add_subplot(grid[r, c]) for c in range(2)] for r in range(2)])
+    noise = result.get('noise_scale_interval') is not None
+    scaling = bool(result.get('lr_scaling')) and bool(result['steps'])
+    columns = 2 + noise + scaling
+    fig = plt.figure(figsize=(11 + 4.5 * (columns - 2), 7.5))
+    grid = fig.add_gridspec(2, columns)
+    axes = np.array([[fig.add_subplot(grid[r, c]) for c in range(2)] for r in range(2)])
+    if noise:
         _plot_noise_scale(fig.add_subplot(grid[:, 2]), result)
         panels.append(NOISE_SCALE_PANEL)
+    if scaling:
+        _plot_scaling(fig.add_subplot(grid[0, columns - 1]),
+                      fig.add_subplot(grid[1, columns - 1]), result)
+        panels.append(SCALING_PANEL)
     ax = axes[0, 0]
     for res, label, color in runs:
         e = [r['epoch'] for r in res['epochs']]
@@ -87,7 +101,8 @@ def plot_training(result, path, baseline=None):
         else:
             ax.plot([r['epoch'] for r in res['epochs']], [r['lr'] for r in res['epochs']],
                     'o-', color=color, label=label.split(':')[0])
-    if result['batch_scale'] > 1 and cfg['warmup_strategy'] != 'lars' and cfg['warmup_epochs']:
+    if (result['batch_scale'] == 'auto' or result['batch_scale'] > 1) \
+            and cfg['warmup_strategy'] != 'lars' and cfg['warmup_epochs']:
         ax.axvline(cfg['warmup_epochs'], color='gray', ls=':', label='end of warmup')
     ax.set(title='learning rate per update (scheduled)', xlabel='epoch', ylim=(0, None))
     ax.legend(loc='lower right', fontsize=8)
@@ -130,6 +145,24 @@ def plot_training(result, path, baseline=None):
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return panels
+
+
+def _plot_scaling(top, bottom, result):
+    """The lr gain per step (top); the window length and the batch per step (bottom)."""
+    x = _per_epoch(result)
+    steps = result['steps']
+    top.plot(x, [r['gain'] for r in steps], color='C3')
+    top.set(title='lr gain (%s) per update' % result['lr_scaling'], xlabel='epoch',
+            ylim=(0, None))
+    windows = [r['window'] for r in steps]
+    bottom.step(x, windows, where='post', color='C4', label='window (micro-batches)')
+    bottom.set(title='window length per step (final batch %d)'
+               % result['effective_batch_size'], xlabel='epoch', ylim=(0, None))
+    batch = bottom.twinx()
+    per_window = result['effective_batch_size'] / max(result['final_batch_scale'], 1)
+    batch.step(x, [w * per_window for w in windows], where='post', color='C4', alpha=0)
+    batch.set(ylabel='batch (examples)', ylim=(0, bottom.get_ylim()[1] * per_window))
+    bottom.legend(loc='lower right', fontsize=8)
 
 
 def _plot_grad_norm(ax, x, steps, max_norm):

@@ -1,6 +1,6 @@
 """Scale rules: a schedule tuned at the base batch, run unchanged at larger batches.
 
-    mx-lbsgd study --scale-rules [--out DIR] [--scales 8 16] [--tiny]
+    python -m mx_lbsgd_bench.bench_lr_scaling [--epochs 12]      (runs these)
 
 After Johnson et al., "AdaScale SGD" (ICML 2020): the learning rate and its schedule are
 tuned for the base batch b = 32 on one worker (lr 0.05, momentum 0.9, wd 1e-4, the lr

@@ -16,12 +16,15 @@ import numpy as np
 from .plots import plot_training
 from .train import NOISE_SCALE_KEYS, OVERFLOW_KEYS
 
-__all__ = ['EPOCH_FIELDS', 'STEP_FIELDS', 'BASELINE_KEYS', 'PLOT_FILES', 'versions',
+__all__ = ['EPOCH_FIELDS', 'STEP_FIELDS', 'SCALING_FIELDS', 'BASELINE_KEYS', 'PLOT_FILES', 'versions',
            'write_outputs']
 
+#: With lr_scaling, epoch and step rows also hold the last gain, the window length and the
+#: scale-invariant progress.
+SCALING_FIELDS = ('gain', 'window', 'progress')
 EPOCH_FIELDS = ('epoch', 'train_loss', 'train_acc', 'val_acc', 'test_acc', 'lr',
                 'loss_scale', 'skipped_steps', 'seconds', 'underflow_fraction') \
-    + NOISE_SCALE_KEYS
+    + NOISE_SCALE_KEYS + SCALING_FIELDS
 STEP_FIELDS = ('step', 'epoch', 'loss', 'lr', 'loss_scale', 'skipped',
                'zero_grad_fraction', 'grad_norm') + OVERFLOW_KEYS
 #: What summary.json's ``baseline`` keeps of the baseline's result.
@@ -60,7 +63,8 @@ def _write_history(result, out_dir, prefix, paths):
     paths.append(path)
     if result['steps']:
         path = os.path.join(out_dir, prefix + 'steps.csv')
-        _write_csv(path, STEP_FIELDS, result['steps'])
+        _write_csv(path, STEP_FIELDS + tuple(f for f in SCALING_FIELDS
+                                             if f in result['steps'][0]), result['steps'])
         paths.append(path)
 
 

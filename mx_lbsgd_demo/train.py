@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from .config import WARMUP_OPTIMIZERS, ConfigError, check
+from .config import AUTO_BOUNDS, WARMUP_OPTIMIZERS, ConfigError, check, longest_window
 from .data import load_data
 
 __all__ = ['HOROVOD_INSTALL', 'NOISE_SCALE_INTERVAL', 'NOISE_SCALE_KEYS', 'OVERFLOW_KEYS',
@@ -41,14 +41,18 @@ def _make_scaler(cfg):
     return mx_lbsgd.DynamicLossScaler.static(float(mode))
 
 
-def _make_optimizer(cfg, scaler, updates_per_epoch):
+def _make_optimizer(cfg, scaler, updates_per_epoch, workers=1):
     """(optimizer, whether the optimizer itself applies `scaler`)."""
     import mxnet as mx
     import mx_lbsgd
     common = dict(learning_rate=cfg.resolved_lr(), momentum=cfg.momentum, wd=cfg.wd,
                   multi_precision=cfg.dtype == 'float16')
     clip = dict(max_grad_norm=cfg.max_grad_norm)       # ours; the hook clips for the others
-    sched = _scheduler(cfg, updates_per_epoch)
+    if cfg.lr_scaling is not None:                     # ours only (config.check)
+        clip['lr_scaling'] = cfg.lr_scaling
+    if cfg.batch_scale == 'auto':
+        clip['batch_scale_bounds'] = tuple(cfg.batch_scale_bounds or AUTO_BOUNDS)
+    sched = _scheduler(cfg, updates_per_epoch, workers)
     if sched is not None:
         common['lr_scheduler'] = sched
     warm = dict(warmup_strategy=cfg.warmup_strategy, warmup_epochs=cfg.warmup_epochs,
@@ -71,10 +75,11 @@ def _make_optimizer(cfg, scaler, updates_per_epoch):
     return mx.optimizer.LARS(eta=0.001, momentum_correction=False, **common), False
 
 
-def _scheduler(cfg, steps_per_epoch):
+def _scheduler(cfg, steps_per_epoch, workers=1):
     """The WarmupScheduler for cfg.lr_decay / cfg.warmup_from, or None. Its count is the
     optimizer's num_update: micro-batches for lbsgd (whose own warmup multiplies it),
-    applied updates for lblamb, updates for the others (batch_scale being 1 there)."""
+    applied updates for lblamb, updates for the others (batch_scale being 1 there); with
+    lr_scaling, the scale-invariant progress in base iterations (micro-batches x workers)."""
     import mx_lbsgd
     if cfg.lr_decay is None and cfg.warmup_from is None:
         return None
@@ -82,7 +87,9 @@ def _scheduler(cfg, steps_per_epoch):
     if cfg.warmup_from is not None:
         warm = int(round(cfg.warmup_epochs * steps_per_epoch))
     total = max(cfg.epochs * steps_per_epoch, warm + 1)
-    if cfg.optimizer == 'lblamb':
+    if cfg.lr_scaling is not None:
+        warm, total = warm * workers, total * workers
+    elif cfg.optimizer == 'lblamb':
         warm, total = warm // cfg.batch_scale, max(total // cfg.batch_scale, 1)
     return mx_lbsgd.WarmupScheduler(
         base_lr=cfg.resolved_lr(), warmup_steps=warm, strategy='linear',
@@ -111,7 +118,9 @@ def build(cfg, net, updates_per_epoch, kvstore=None):
     check(cfg)
     try:
         scaler = _make_scaler(cfg)
-        opt, builtin = _make_optimizer(cfg, scaler, updates_per_epoch)
+        workers = (_horovod().size() if kvstore == 'horovod' else kvstore.num_workers
+                   if kvstore is not None and 'dist' in kvstore.type else 1)
+        opt, builtin = _make_optimizer(cfg, scaler, updates_per_epoch, workers)
         if builtin:
             scaler = opt.loss_scaler if opt.loss_scaler is not None else None
             if scaler is not None and not scaler.enabled:
@@ -272,9 +281,10 @@ class _Run:
         # horovod's DistributedTrainer averages over the workers itself
         self.step_batch = cfg.batch_size * (1 if kv == 'horovod' else self.workers)
         self.steps_per_epoch = len(self.shard) // cfg.batch_size
-        if self.steps_per_epoch < cfg.batch_scale or self.steps_per_epoch < 1:
+        if self.steps_per_epoch < longest_window(cfg) or self.steps_per_epoch < 1:
             raise ConfigError('batch_size * batch_scale = %d is larger than the %d training '
-                              'samples%s' % (cfg.batch_size * cfg.batch_scale, len(self.shard),
+                              'samples%s' % (cfg.batch_size * longest_window(cfg),
+                                             len(self.shard),
                                              ' of this worker' if self.workers > 1 else ''))
         self.net = mlp(tuple(cfg.hidden), dtype=cfg.dtype, seed=cfg.seed)
         if cfg.hybridize:
@@ -357,17 +367,39 @@ class _Run:
         which each layer's trust ratio multiplies."""
         import mx_lbsgd
         applied = self.applied_micro_batches()
+        cfg = self.cfg
+        if cfg.lr_scaling is not None:         # an mx_lbsgd optimizer (config.check)
+            return self._scaled_lr(applied)
         sched = self.opt.lr_scheduler
         count = self.opt.num_update if self.cfg.optimizer == 'lblamb' else applied
         lr = sched(max(count, 1)) if sched is not None else self.cfg.resolved_lr()
         if self.ours:
             return lr * self.opt.lr_multiplier()
-        cfg = self.cfg
         if cfg.optimizer == 'mxnet-lbsgd' and cfg.warmup_strategy != 'lars':
             return lr * mx_lbsgd.warmup_multiplier(
                 applied, cfg.warmup_epochs * self.steps_per_epoch, cfg.batch_scale,
                 cfg.warmup_strategy)
         return lr
+
+    def _scaled_lr(self, applied):
+        """With lr_scaling: the scheduler's rate at the scale-invariant progress times the
+        last update's gain (lbsgd's warmup rising to that gain)."""
+        import mx_lbsgd
+        from mx_lbsgd import schedules
+        cfg, opt = self.cfg, self.opt
+        gain = opt.last_gain
+        if cfg.optimizer == 'lbsgd' and cfg.warmup_strategy in schedules.WARMUP_SHAPES \
+                and cfg.warmup_epochs:
+            gain = mx_lbsgd.warmup_multiplier(
+                applied, cfg.warmup_epochs * self.steps_per_epoch, gain, cfg.warmup_strategy)
+        return opt.learning_rate * gain
+
+    def scaling_fields(self):
+        """With lr_scaling: the last gain, the window length and the progress."""
+        if self.cfg.lr_scaling is None:
+            return {}
+        return dict(gain=self.opt.last_gain, window=self.opt.batch_scale,
+                    progress=self.opt.scale_invariant_steps)
 
     def step(self, xb, yb):
         """One forward/backward/update: (per-sample losses, logits, skipped, zero fraction,
@@ -407,6 +439,7 @@ class _Run:
                 row.update(loss=float(loss.mean().asscalar()), lr=self.lr(), loss_scale=scale,
                            skipped=int(skipped), zero_grad_fraction=zero,
                            grad_norm=self.grad_norm(), **overflow_fields(report))
+                row.update(self.scaling_fields())
                 steps.append(row)
             if on_step is not None:
                 on_step(row)
@@ -414,7 +447,8 @@ class _Run:
         row = dict(epoch=epoch, train_loss=float(loss_sum.asscalar()) / seen,
                    train_acc=float(correct.asscalar()) / seen,
                    test_acc=_accuracy(self.net, self.xt, self.yt), lr=self.lr(),
-                   loss_scale=self.scale, skipped_steps=self.skipped - skipped_before)
+                   loss_scale=self.scale, skipped_steps=self.skipped - skipped_before,
+                   **self.scaling_fields())
         if len(self.yv):
             row['val_acc'] = _accuracy(self.net, self.xv, self.yv)
         if self.noise is not None:
@@ -434,10 +468,19 @@ def _result(cfg, epochs, steps, wall, run):
     config = dataclasses.asdict(cfg)
     config.update(lr=cfg.resolved_lr(), loss_scale=cfg.resolved_loss_scale(),
                   hidden=list(cfg.hidden))
+    if cfg.batch_scale == 'auto':
+        config['batch_scale_bounds'] = list(cfg.batch_scale_bounds or AUTO_BOUNDS)
+    window = run.opt.batch_scale if cfg.batch_scale == 'auto' else cfg.batch_scale
+    scaling = run.scaling_fields()
     out = dict(
         config=config, epochs=epochs, steps=steps, optimizer=cfg.optimizer,
         dtype=cfg.dtype, batch_size=cfg.batch_size, batch_scale=cfg.batch_scale,
-        effective_batch_size=cfg.batch_size * cfg.batch_scale * run.workers,
+        effective_batch_size=cfg.batch_size * window * run.workers,
+        lr_scaling=cfg.lr_scaling, final_gain=scaling.get('gain'),
+        progress=scaling.get('progress'), final_batch_scale=window,
+        batch_history=(None if cfg.batch_scale != 'auto' else [
+            dict(update=u, batch_scale=b, batch=cfg.batch_size * b * run.workers)
+            for u, b in run.opt.window_history]),
         warmup_strategy=(cfg.warmup_strategy if cfg.optimizer in WARMUP_OPTIMIZERS
                          else 'linear' if cfg.warmup_from is not None else None),
         final_test_acc=accs[-1], best_test_acc=accs[best], best_epoch=best + 1,

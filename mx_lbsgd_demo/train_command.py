@@ -32,6 +32,12 @@ def _loss_scale(text):
     return value
 
 
+def _batch_scale(text):
+    if text == 'auto':
+        return text
+    return number(int, 1)(text)
+
+
 def _hidden(text):
     try:
         sizes = tuple(int(s) for s in text.split(','))
@@ -56,7 +62,8 @@ def _parser():
         'training.png (both runs: test accuracy, learning rate, loss scale with the '
         'skipped steps, train loss; and, for a main run the gradient noise scale monitor '
         'watches, a fifth panel: B_simple per epoch, log scale, with the effective batch '
-        'as a horizontal line) to --out. --single trains one run with the former '
+        'as a horizontal line; with --lr-scaling, two more: the lr gain per update, and '
+        'the window length and batch per step) to --out. --single trains one run with the former '
         'defaults (batch 32 x 1, float32, 15 epochs, warmup 1 epoch), as before.'
         % (demo['batch_scale'], 32 * demo['batch_scale'], demo['warmup_epochs'],
            demo['epochs'])),
@@ -86,10 +93,21 @@ def _parser():
                         % (demo['warmup_epochs'], d.warmup_epochs))
     p.add_argument('--batch-size', type=number(int, 1), default=d.batch_size,
                    help='micro-batch size (default %(default)s)')
-    p.add_argument('--batch-scale', type=number(int, 1),
+    p.add_argument('--batch-scale', type=_batch_scale, metavar='{N,auto}',
                    help='micro-batches per update, also the final warmup multiplier '
                         '(lbsgd / mxnet-lbsgd / lblamb; default %d; --single or another '
-                        'optimizer: %d)' % (demo['batch_scale'], d.batch_scale))
+                        'optimizer: %d). auto (lbsgd, lblamb, with --lr-scaling): the '
+                        'window with the most goodput, chosen within --batch-scale-bounds '
+                        'while training' % (demo['batch_scale'], d.batch_scale))
+    p.add_argument('--batch-scale-bounds', type=number(int, 1), nargs=2, metavar=('LO', 'HI'),
+                   help='the window lengths --batch-scale auto may choose (default %d %d)'
+                        % config.AUTO_BOUNDS)
+    p.add_argument('--lr-scaling', choices=config.LR_SCALING_RULES,
+                   help='lbsgd / lssgd / lblamb: --lr is the one for one micro-batch on one '
+                        'worker, multiplied each update by the rule\'s gain at S = window x '
+                        'workers (adascale: AdaScale\'s measured gain); the warmup, unless '
+                        'given, is then 0 epochs. The plot and summary.json get the gain, '
+                        'the window and the batch over training')
     p.add_argument('--epochs', type=number(int, 1),
                    help='default %d (--single: %d)' % (demo['epochs'], d.epochs))
     p.add_argument('--lr', type=number(float, 0, open_low=True),
@@ -154,16 +172,38 @@ def _config(args, parser):
     if args.batch_scale not in (None, 1) and not accumulating:
         parser.error('argument --batch-scale: applies to lbsgd, mxnet-lbsgd and lblamb only, '
                      'not %s' % args.optimizer)
+    if args.lr_scaling and args.optimizer not in config.LR_SCALING_OPTIMIZERS:
+        parser.error('argument --lr-scaling: applies to lbsgd, lssgd and lblamb only, not %s'
+                     % args.optimizer)
+    if args.batch_scale == 'auto':
+        if args.optimizer not in config.AUTO_OPTIMIZERS:
+            parser.error('argument --batch-scale: auto applies to lbsgd and lblamb only, '
+                         'not %s' % args.optimizer)
+        if not args.lr_scaling:
+            parser.error('argument --batch-scale: auto needs --lr-scaling (%s)'
+                         % ', '.join(config.LR_SCALING_RULES))
+    if args.batch_scale_bounds is not None:
+        if args.batch_scale != 'auto':
+            parser.error('argument --batch-scale-bounds: needs --batch-scale auto')
+        if args.batch_scale_bounds[0] > args.batch_scale_bounds[1]:
+            parser.error('argument --batch-scale-bounds: LO must be <= HI, got %d %d'
+                         % tuple(args.batch_scale_bounds))
     d = dict(dataclasses.asdict(config.TrainConfig()))
     if not args.single:
         d.update(config.DEMO_DEFAULTS)
         if not accumulating:
             d['batch_scale'] = 1
 
+    if args.lr_scaling:
+        d['warmup_epochs'] = 0.0            # the gain replaces the warmup unless one is given
+
     def pick(name):
         value = getattr(args, name)
         return d[name] if value is None else value
     return config.TrainConfig(
+        lr_scaling=args.lr_scaling,
+        batch_scale_bounds=(None if args.batch_scale_bounds is None
+                            else tuple(args.batch_scale_bounds)),
         optimizer=args.optimizer, warmup_strategy=args.warmup_strategy or d['warmup_strategy'],
         warmup_epochs=pick('warmup_epochs'), batch_size=args.batch_size,
         batch_scale=pick('batch_scale'), epochs=pick('epochs'), lr=args.lr,
@@ -209,7 +249,9 @@ class _Progress:
                       self.label and self.label + ' ', row['epoch'], row['train_loss'],
                       row['train_acc'], row['test_acc'], row['lr'], row['loss_scale'],
                       row['skipped_steps'], row['seconds'])
-                  + ('  B_simple %.3g' % row['b_simple'] if row.get('b_simple') else ''),
+                  + ('  B_simple %.3g' % row['b_simple'] if row.get('b_simple') else '')
+                  + ('  gain %.3g  window %d' % (row['gain'], row['window'])
+                     if row.get('gain') is not None else ''),
                   flush=True)
 
     def close(self):
@@ -302,6 +344,12 @@ def _result_line(result):
                 result['wall_time_s'], result['skipped_steps'], result['total_steps']))
     if result['effective_batch_size'] != result['batch_size']:
         line += ', effective batch %d' % result['effective_batch_size']
+    if result.get('lr_scaling'):
+        line += ', lr_scaling %s: final gain %.3g, progress %.0f base iterations in %d updates' % (
+            result['lr_scaling'], result['final_gain'], result['progress'], result['updates'])
+    if result.get('batch_history'):
+        line += ', windows %s' % ' -> '.join(
+            '%d (update %d)' % (h['batch_scale'], h['update']) for h in result['batch_history'])
     if result['final_loss_scale'] != 1.0 or result['config']['loss_scale'] != 'none':
         line += ', final loss scale %g' % result['final_loss_scale']
     if 'final_underflow_fraction' in result:

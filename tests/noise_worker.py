@@ -10,11 +10,14 @@ Config: kvstore (None, 'device', 'dist_sync', 'horovod'), devices, batch (per de
 batch_scale, updates, seed, optimizer, lr_scaling (the optimizer's), sharded (Horovod:
 mx_lbsgd.ShardedTrainer). Each worker writes rankR.json with the monitor's estimates, the
 optimizer's gain and progress, and the truth (with AdaScale's exact r at the job's scale);
-uneven (rank r's batch is batch + r * uneven).
+uneven (rank r's batch is batch + r * uneven). batch_scale 'auto' (with bounds and
+interval): the worker runs `updates` applied updates and also writes the window length of
+every update and its own host seconds per update.
 """
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import mxnet as mx
@@ -42,6 +45,10 @@ def run(cfg, rank=0, hvd=None, kvstore=None):
         param.initialize(ctx=ctxs)
         param.set_data(nd.array(np.split(w0, halves)[h]))
     args = dict(learning_rate=1e-9, batch_scale=cfg.get('batch_scale', 1))
+    auto = args['batch_scale'] == 'auto'
+    if auto:
+        args.update(batch_scale_bounds=tuple(cfg['bounds']),
+                    batch_scale_interval=cfg.get('interval', 4))
     if cfg.get('optimizer', 'lbsgd') == 'lbsgd':
         args['momentum'] = 0.0
     if cfg.get('lr_scaling'):
@@ -53,8 +60,8 @@ def run(cfg, rank=0, hvd=None, kvstore=None):
         kvstore = kvstore or cfg.get('kvstore')
         trainer = gluon.Trainer(params, cfg.get('optimizer', 'lbsgd'), args, kvstore=kvstore,
                                 update_on_kvstore=False if kvstore else None)
-    monitor = mx_lbsgd.GradientNoiseScale(trainer, interval=cfg.get('interval', 10),
-                                          smoothing=cfg.get('smoothing', 0.99))
+    monitor = None if auto else mx_lbsgd.GradientNoiseScale(
+        trainer, interval=cfg.get('interval', 10), smoothing=cfg.get('smoothing', 0.99))
     rng = np.random.RandomState(cfg.get('seed', 0) + 1000 * rank)
     batch = cfg['batch'] + rank * cfg.get('uneven', 0)    # 'uneven': rank r takes r more
     # as the README: a dist_* kvstore's step takes the job's batch, Horovod's the worker's
@@ -63,16 +70,32 @@ def run(cfg, rank=0, hvd=None, kvstore=None):
     if hvd is not None:
         import horovod.mxnet      # (hvd may be a namespace holding a DistributedTrainer only)
         size = horovod.mxnet.size()
-    for _ in range(cfg['updates'] * args['batch_scale']):
+    windows, seconds, last = [], [], time.perf_counter()
+    micro_batches = 0
+    while (len(windows) if auto else micro_batches) < cfg['updates'] * (
+            1 if auto else args['batch_scale']):
         with autograd.record():
             losses = [0.5 * ((nd.concat(*[p.data(c) for p in params], dim=0)
                               - nd.array(rng.normal(mu, SIGMA, (batch, D)), ctx=c)) ** 2).sum()
                       for c in ctxs]
         autograd.backward(losses)
         trainer.step(batch * len(ctxs) * workers)
+        micro_batches += 1
+        if auto and trainer.optimizer.window_position == 0:
+            windows.append(trainer.optimizer.batch_scale)     # the window just applied
+            now = time.perf_counter()
+            seconds.append(now - last)
+            last = now
     mx.nd.waitall()     # a dist_sync worker must not exit with reductions in flight
-    monitor.flush()
     opt = trainer.optimizer
+    if auto:
+        chosen = opt._lr_gain.chooser.state
+        return dict(windows=windows, seconds=seconds, history=opt.window_history,
+                    timings=[(t.length, t.count, t.seconds) for t in chosen.timings],
+                    gain=opt.last_gain, progress=opt.scale_invariant_steps,
+                    noise_scale=opt._lr_gain.piece.state.moments.noise_scale,
+                    truth=truth(batch * len(ctxs), size))
+    monitor.flush()
     return dict(b_simple=monitor.b_simple, gradient_sq=monitor.gradient_sq,
                 trace_sigma=monitor.trace_sigma, b_small=monitor.b_small, b_big=monitor.b_big,
                 reads=len(monitor.history), gain=opt.last_gain,

@@ -136,6 +136,41 @@ def test_single_is_the_former_default_run(tmp_path):
     assert summary['dtype'] == 'float16' and summary['args']['epochs'] == 1
 
 
+def test_train_lr_scaling_and_auto_batch(tmp_path, capsys):
+    """--lr-scaling adascale --batch-scale auto on the demo's float16, loss-scaled lbsgd:
+    every step's lr is the base lr times the gain, the window moves by at most 2x between
+    lengths in the bounds, and summary.json, the CSVs and the plot say so."""
+    out = tmp_path / 'run'
+    assert main(['train', '--no-baseline', '--epochs', '3', '--lr-scaling', 'adascale',
+                 '--batch-scale', 'auto', '--batch-scale-bounds', '1', '8', '--out', str(out),
+                 '--quiet']) == 0
+    printed = capsys.readouterr().out
+    assert 'lr_scaling adascale: final gain' in printed and 'windows 1 (update 0)' in printed
+    steps = _rows(out / 'steps.csv')
+    windows = [int(s['window']) for s in steps]
+    assert min(windows) >= 1 and max(windows) <= 8 and len(set(windows)) > 1
+    changes = [(a, b) for a, b in zip(windows, windows[1:]) if a != b]
+    assert all(b <= 2 * a and a <= 2 * b for a, b in changes)
+    for s in steps:
+        assert float(s['gain']) >= 1.0
+        assert float(s['lr']) == pytest.approx(0.05 * float(s['gain']), rel=1e-6)
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['lr_scaling'] == 'adascale' and summary['batch_scale'] == 'auto'
+    assert summary['args']['batch_scale_bounds'] == [1, 8]
+    history = summary['batch_history']
+    assert history[0] == {'update': 0, 'batch_scale': 1, 'batch': 32}
+    assert [h['batch_scale'] for h in history] == \
+        [w for i, w in enumerate(windows) if i == 0 or windows[i - 1] != w]
+    assert summary['final_batch_scale'] == windows[-1]
+    assert summary['effective_batch_size'] == 32 * windows[-1]
+    assert summary['final_gain'] == pytest.approx(float(steps[-1]['gain']))
+    assert summary['progress'] > summary['updates']
+    epochs = _rows(out / 'metrics.csv')
+    assert [int(r['window']) for r in epochs][-1] == windows[-1]
+    assert 'lr_scaling' in summary['plots']['training.png']
+    assert (out / 'training.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
 def test_train_lblamb_fp16_accumulated_with_loss_scaling(tmp_path):
     """The default main run's shape (fp16, batch_scale 8, dynamic loss scale) with LAMB."""
     out = tmp_path / 'lamb'
@@ -189,6 +224,14 @@ def test_train_float16_unscaled_lbsgd(tmp_path):
     (['train', '--optimizer', 'sgd', '--warmup-strategy', 'sqrt'], ['--warmup-strategy']),
     (['train', '--optimizer', 'lars', '--batch-scale', '4'], ['--batch-scale']),
     (['train', '--batch-size', '5000'], ['batch_size']),
+    (['train', '--batch-scale', 'many'], ['--batch-scale', 'many']),
+    (['train', '--batch-scale', 'auto'], ['--batch-scale', 'auto', '--lr-scaling']),
+    (['train', '--optimizer', 'sgd', '--lr-scaling', 'adascale'], ['--lr-scaling', 'sgd']),
+    (['train', '--optimizer', 'lssgd', '--lr-scaling', 'sqrt', '--batch-scale', 'auto'],
+     ['--batch-scale', 'lssgd']),
+    (['train', '--batch-scale-bounds', '1', '4'], ['--batch-scale-bounds', 'auto']),
+    (['train', '--lr-scaling', 'adascale', '--batch-scale', 'auto', '--batch-scale-bounds',
+      '4', '2'], ['--batch-scale-bounds', 'LO must be <= HI']),
     (['schedule', '--batch-scale', '0.5'], ['--batch-scale']),
     (['schedule', '--every', '0'], ['--every']),
     (['nonsense'], ['COMMAND']),
@@ -312,7 +355,7 @@ def test_train_help_describes_every_panel_of_training_png(capsys):
     text = ' '.join(capsys.readouterr().out.split())
     png = text[text.index('training.png ('):text.index(') to --out')]
     for panel in ('test accuracy', 'learning rate', 'loss scale', 'train loss',
-                  'B_simple per epoch'):
+                  'B_simple per epoch', 'lr gain per update', 'window length and batch'):
         assert panel in png, png
     assert len(TRAINING_PANELS) == 4        # the four above, plus B_simple
 

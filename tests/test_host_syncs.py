@@ -72,3 +72,39 @@ def test_clipping_keeps_the_host_syncs(opt, batch_scale, dtype, mp, fused, scali
     else:
         assert calls == ['asscalar'] * (8 // batch_scale)
     assert float(optimizer.last_clip_coefficient.asscalar()) < 1.0     # it clipped
+
+
+@pytest.mark.parametrize('scaled', [False, True], ids=['plain', 'scaled'])
+@pytest.mark.parametrize('batch_scale', [1, 4, 'auto'])
+def test_lr_scaling_reads_once_per_update(batch_scale, scaled):
+    """lr_scaling='adascale' under a Trainer (at S = 1 with the difference estimator), and
+    batch_scale='auto' whose choice rides on the same values: one host read per applied
+    update, which is the loss scaler's flag read when there is one."""
+    from mxnet import autograd, gluon
+    net = gluon.nn.HybridSequential()
+    for _ in range(3):
+        net.add(gluon.nn.Dense(8, in_units=8, activation='relu'))
+    net.initialize(mx.init.Xavier())
+    args = dict(learning_rate=0.01, warmup_epochs=0, lr_scaling='adascale',
+                batch_scale=batch_scale)
+    if batch_scale == 'auto':
+        args.update(batch_scale_bounds=(1, 8), batch_scale_interval=2)
+    if scaled:
+        args['loss_scaler'] = mx_lbsgd.DynamicLossScaler(init_scale=1.0)
+    trainer = gluon.Trainer(net.collect_params(), 'lbsgd', args)
+    opt = trainer.optimizer
+    x = mx.nd.random.normal(shape=(4, 8))
+
+    def step():
+        with autograd.record():
+            loss = net(x).sum()
+        loss.backward()
+        trainer.step(4)
+    for _ in range(24):
+        step()
+    before = opt.applied_updates
+    with count_host_syncs(include_waitall=False) as calls:
+        for _ in range(40):
+            step()
+    assert opt.applied_updates > before
+    assert len(calls) == opt.applied_updates - before

@@ -1,8 +1,10 @@
 """The update pipeline: the optimizer shell (`PipelineOptimizer`) over its pieces, each with
 one job: accumulation (`window`), global-norm clipping (`clip`), warmup (`warmup`), the
 trust ratio (`trust_ratio`), the lr's gain with the batch (`lr_scaling`, measured by
-`noise_probe`, applied per update by `lr_gain`), running a step's calls (`apply`) and the
+`noise_probe`, applied per update by `lr_gain`), the goodput-chosen window
+(`batch_choice`), running a step's calls (`apply`) and the
 step protocol with a gluon Trainer (`binding`)."""
+from .batch_choice import BatchChoice, BatchChoiceState
 from .clip import CLIP_EPS, GlobalNormClip
 from .lr_scaling import LrScaling, LrScalingState
 from .shell import PipelineOptimizer
@@ -10,4 +12,4 @@ from .trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
 from .warmup import Warmup
 
 __all__ = ['PipelineOptimizer', 'TrustRatio', 'DEFAULT_LARS_EXCLUDE', 'Warmup', 'GlobalNormClip',
-           'CLIP_EPS', 'LrScaling', 'LrScalingState']
+           'CLIP_EPS', 'LrScaling', 'LrScalingState', 'BatchChoice', 'BatchChoiceState']

@@ -68,6 +68,7 @@ class StepApplier:
     begin_num_update: int
     _plan: Callable[..., Plan]
     _count_micro_batch: Callable[[Any], None]
+    _updates_of: Callable[[int], int]
     _clip_safe: Callable[..., bool]
 
     def _apply_step(self, calls: List[Call], unscale: float) -> None:
@@ -124,4 +125,4 @@ class StepApplier:
             lrs = self._warmup.scale_lrs(lrs, positions, target=gain)
         return _Ready(plan=plan, index=index, weight=weight, grad=grad, lrs=lrs,
                       wds=_compat.weight_decays(self, index), rescale_grad=rescale_grad,
-                      steps=[k // self.batch_scale for k in positions])   # update number t
+                      steps=[self._updates_of(k) for k in positions])   # update number t

@@ -4,7 +4,8 @@ A `TrainerBinding` routes the Trainer's reduction and update (`_compat.wrap_trai
 and owns what happens between them::
 
     trainer.step(batch_size)
-      reduce:  refuse a kvstore that updates the weights (loss scaling)
+      reduce:  optimizer.begin_micro_batch (a chosen window length takes effect)
+               refuse a kvstore that updates the weights (loss scaling)
                local flag: a device-side finite flag of this worker's gradients, kept for
                        an overflow report (per micro-batch of a window, out of the
                        window's own pass; per step with check_local_overflow on a dist
@@ -89,6 +90,11 @@ class TrainerBinding:
             _refuse_dist_sparse_gradients(trainer)
         _compat.wrap_trainer_step(trainer, self._reduce, self._update)
 
+    def windows_at_reduction(self) -> bool:
+        """Whether this Trainer keeps accumulation windows at its reduction (dense
+        gradients, and no hook that reduces every micro-batch)."""
+        return self.window_at_reduction and not self._sparse
+
     def _optimizer(self) -> Optional[PipelineOptimizer]:
         # (the Trainer is alive: this runs inside its step)
         opt = self._trainer().optimizer  # type: ignore[union-attr]
@@ -102,6 +108,7 @@ class TrainerBinding:
         self._closes = None
         if opt is None:
             return original()
+        opt.begin_micro_batch(trainer)
         for observer in list(self.observers):
             observer.before_reduction(trainer, opt)
         opt.observe_micro_batch(trainer, self.window_at_reduction and not self._sparse

@@ -1,32 +1,41 @@
 """The ``lr_scaling`` gain of each update under a gluon Trainer (`lr_scaling` over
-`noise_probe`).
+`noise_probe`), and the goodput-chosen window of ``batch_scale='auto'`` (`batch_choice`).
 
 Per update, driven by the step protocol (`binding` -> the optimizer -> here)::
 
-    each micro-batch, before the reduction:   probe the local norms      ('adascale')
-    the reduction that closes the window:     probe the reduced norm     ('adascale')
+    each micro-batch, first:                  a window begins: take the chosen length
+    each micro-batch, before the reduction:   probe the local norms      (measuring)
+    the reduction that closes the window:     probe the reduced norm     (measuring), with
+                                              the last window's seconds riding along
     begin_step:                               S = batch_scale x workers, base batch b
     the finite check (loss scaling):          read the flag and the norms together
     the first Updater call of the update:     read the norms (no loss scaling), estimate,
-                                              gain = rule(S), progress += S or r
-    a skipped update:                         nothing is estimated or advanced
+                                              gain = rule(S), progress += S or r;
+                                              'auto': count the window's seconds, and every
+                                              few updates choose the next length
+    a skipped update:                         nothing is estimated, advanced or chosen
 
-So 'adascale' costs one pass over the gradients per micro-batch and one over the reduced
-gradient, a reduction of one number over the workers (so that every worker computes the
-same gain), and one host read per update, which is the loss scaler's flag read when there
-is one; 'linear' and 'sqrt' read nothing.
+Measuring ('adascale', or ``batch_scale='auto'``) costs one pass over the gradients per
+micro-batch and one over the reduced gradient (at S = 1 on one device, the difference
+estimator's four passes and a float32 copy of the gradients instead), a reduction of a few
+numbers over the workers (so that every worker computes the same gain and chooses the same
+window), and one host read per update, which is the loss scaler's flag read when there is
+one; 'linear' and 'sqrt' alone read nothing. A window's seconds are the host time between
+two updates' reads.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, cast
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import mxnet as mx
 
 from .. import _compat, _kernels
 from .._checks import check_choice, check_real
-from . import noise_probe as _probe
+from . import binding as _binding, noise_probe as _probe, progress as _progress
+from .batch_choice import BatchChoice, BatchChoiceState
 from .clip import GlobalNormClip, StepNorms
 from .lr_scaling import RULES, LrScaling, LrScalingState
 
@@ -40,26 +49,65 @@ class _Update:
 
     scale: float
     observation: Optional[_probe.Observation]
+    length: int
+    #: the length of the window whose seconds ride along with the norms (0: none)
+    timed: int = 0
     values: Optional[List[float]] = None
     gain: Optional[float] = None
 
 
 class LrGain:
-    """See the module docstring. `piece` holds the rule and its state."""
+    """See the module docstring. `piece` holds the rule and its state; `chooser` the
+    window choice (``batch_scale='auto'``) or None; `clock` gives host seconds."""
 
-    def __init__(self, piece: LrScaling) -> None:
-        self.piece = piece
+    def __init__(self, piece: LrScaling, chooser: Optional[BatchChoice] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.piece, self.chooser = piece, chooser
+        self._clock = clock
         self._probe: Optional[_probe.NormProbe] = None
         self._observation: Optional[_probe.Observation] = None
         self._update: Optional[_Update] = None
+        # the host time of the last update's read ('auto'); the length of the window whose
+        # seconds went out with the last reduction
+        self._last_read: Optional[float] = None
+        self._timed = 0
+        # a checkpoint's previous gradient (difference estimator), for a one-device probe
+        self._saved_previous: Optional[Tuple[float, list]] = None
+
+    @property
+    def measures(self) -> bool:
+        """Whether the updates' gradient norms are taken."""
+        return self.piece.measures or self.chooser is not None
+
+    def window_begins(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer) -> None:
+        """A micro-batch begins, before anything reads the window: at a window boundary the
+        chosen length takes effect (``opt.batch_scale``). 'auto' is refused here, before
+        anything changes, where the window cannot be at the Trainer's reduction."""
+        if self.chooser is None:
+            return
+        binding = _binding.bound(trainer)
+        if binding is None or not binding.windows_at_reduction():
+            raise ValueError(
+                "batch_scale='auto' needs the accumulation window at the Trainer's "
+                'reduction, where windows of any length are summed and measured; this '
+                'Trainer reduces every micro-batch (row_sparse gradients, or a LossScaling '
+                "hook: give the optimizer its own loss_scaler). Use a fixed batch_scale, or "
+                'dense gradients')
+        opt.batch_scale = self.chooser.window_begins(_progress.micro_batches(opt))
 
     def micro_batch(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
                     window_at_trainer: bool) -> None:
-        if not self.piece.measures:
+        if not self.measures:
             return
         if self._probe is None:
             self._probe = _probe.NormProbe(
-                len(_compat.trainer_params(trainer)[0].list_ctx()), small_every=1)
+                len(_compat.trainer_params(trainer)[0].list_ctx()), small_every=1,
+                difference=True)
+        if self._saved_previous is not None:
+            if self._probe.devices == 1:
+                cast(_probe.PreviousGradient, self._probe.previous).restore(
+                    *self._saved_previous)
+            self._saved_previous = None
         self._probe.before_reduction(trainer, opt, window_at_trainer)
 
     def pending_small(self) -> Optional[Tuple[int, List[Tuple[float, float]]]]:
@@ -73,14 +121,39 @@ class LrGain:
     def restore_small(self, devices: int, pairs: List[Tuple[float, float]]) -> None:
         """Resume `pending_small` (a checkpoint saved in the middle of a window); the sums
         were float32, so they come back exactly."""
-        self._probe = _probe.NormProbe(devices, small_every=1)
-        self._probe.small = [(mx.nd.array([v], dtype='float32'), float(f)) for v, f in pairs]
+        self._ensure_probe(devices)
+        cast(_probe.NormProbe, self._probe).small = [
+            (mx.nd.array([v], dtype='float32'), float(f)) for v, f in pairs]
+
+    def previous_gradient(self) -> Optional[Tuple[float, list]]:
+        """The difference estimator's last gradient (a checkpoint keeps it), or None."""
+        if self._saved_previous is not None:
+            return self._saved_previous
+        previous = None if self._probe is None else self._probe.previous
+        return None if previous is None else previous.saved()
+
+    def restore_previous(self, saved: Tuple[float, list]) -> None:
+        """Resume `previous_gradient` at the next micro-batch, if the Trainer has one
+        device."""
+        self._saved_previous = (float(saved[0]), list(saved[1]))
+        if self._probe is not None and self._probe.previous is not None:
+            self._probe.previous.forget()
+
+    def _ensure_probe(self, devices: int) -> None:
+        if self._probe is None or self._probe.devices != devices:
+            self._probe = _probe.NormProbe(devices, small_every=1, difference=True)
 
     def reduced(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
                 closes_window: bool) -> None:
-        if self._probe is not None:
-            self._observation = self._probe.after_reduction(trainer, opt, closes_window,
-                                                            across_workers=True)
+        if self._probe is None:
+            return
+        extra: Tuple[float, ...] = ()
+        if self.chooser is not None:
+            unsent, self.chooser.state.unsent = self.chooser.state.unsent, None
+            self._timed, seconds = unsent if unsent is not None else (0, math.nan)
+            extra = (seconds,)
+        self._observation = self._probe.after_reduction(trainer, opt, closes_window,
+                                                        across_workers=True, extra=extra)
 
     def begin(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
               closes_window: Optional[bool]) -> None:
@@ -97,7 +170,9 @@ class LrGain:
                 "'linear' or 'sqrt', or dense gradients" % opt.batch_scale)
         seen, self._observation = self._observation, None
         workers = _compat.trainer_worker_count(trainer, default=1)
-        self._update = _Update(scale=float(opt.batch_scale * workers), observation=seen)
+        self._update = _Update(scale=float(opt.batch_scale * workers), observation=seen,
+                               length=opt.batch_scale, timed=self._timed)
+        self._timed = 0
 
     def pending(self) -> bool:
         """Whether the update begun has norms still to read."""
@@ -111,8 +186,18 @@ class LrGain:
         update = cast(_Update, self._update)
         seen = cast(_probe.Observation, update.observation)
         values = _probe.read([first] + seen.arrays())
+        self._read_at(update)
         update.values = values[1:]
         return values[0]
+
+    def _read_at(self, update: _Update) -> None:
+        """An update's read ended: ('auto') the window since the last read is timed."""
+        if self.chooser is None:
+            return
+        now = self._clock()
+        if self._last_read is not None:
+            self.chooser.state.unsent = [update.length, now - self._last_read]
+        self._last_read = now
 
     def gain(self) -> float:
         """The lr gain of the update begun: estimated and accounted once, at its first
@@ -125,6 +210,7 @@ class LrGain:
             if seen is not None:
                 if update.values is None:
                     update.values = _probe.read(seen.arrays())
+                    self._read_at(update)
                 norms = seen.resolve(update.values)
                 base = norms.b_worker
                 if not math.isfinite(norms.big_raw):   # skipped (clipping), or applied as is
@@ -132,7 +218,12 @@ class LrGain:
                     return update.gain
                 if all(map(math.isfinite, norms.small + [norms.big])):
                     self.piece.observe(norms.small, norms.big, norms.b_small, norms.b_big,
-                                       update.scale)
+                                       update.scale, biased=norms.biased)
+                if self.chooser is not None:
+                    if update.timed and norms.extra:
+                        self.chooser.measured(update.timed, norms.extra[0])
+                    self.chooser.applied(base, seen.workers,
+                                         self.piece.state.moments.noise_scale)
             update.gain = self.piece.advance(update.scale, base)
         return update.gain
 
@@ -171,20 +262,30 @@ def value_is_finite(gain: Optional[LrGain], array: mx.nd.NDArray, flag: bool = F
 
 def build(attributes: Dict[str, Any], power: float) -> Optional[LrGain]:
     """The gain of an optimizer whose ``__dict__`` is `attributes` (None without a rule),
-    resuming the state `pickled` kept there (which it removes)."""
+    resuming the states `pickled` kept there (which it removes)."""
     saved = attributes.pop('_lr_scaling_state', None)
+    chosen = attributes.pop('_batch_choice_state', None)
     rule = attributes.setdefault('lr_scaling', None)       # pickled before it existed
+    bounds = attributes.setdefault('batch_scale_bounds', None)
     if rule is None:
         return None
     state = None if saved is None else LrScalingState.from_dict(saved)
+    chooser = None
+    if bounds is not None:
+        chooser = BatchChoice(tuple(bounds), attributes.get('batch_scale_interval', 16),
+                              None if chosen is None else BatchChoiceState.from_dict(chosen))
+        attributes['batch_scale'] = chooser.state.window
     return LrGain(LrScaling(rule, attributes.get('lr_scaling_smoothing', 0.999), power,
-                            state))
+                            state), chooser)
 
 
 def pickled(gain: Optional[LrGain], state: Dict[str, Any]) -> Dict[str, Any]:
-    """An optimizer's pickled `state` with the gain's state (plain values) added."""
+    """An optimizer's pickled `state` with the gain's and the chooser's states (plain
+    values) added."""
     if gain is not None:
         state['_lr_scaling_state'] = gain.piece.state.as_dict()
+        if gain.chooser is not None:
+            state['_batch_choice_state'] = gain.chooser.state.as_dict()
     return state
 
 

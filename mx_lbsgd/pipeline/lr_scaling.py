@@ -21,6 +21,11 @@ each smoothed by an exponential moving average whose decay per update is
 ``smoothing ** S`` (``smoothing`` per base batch, as AdaptDL's AdaScale), bias-corrected
 by the sum of its weights. Before the first estimate the gain is 1.
 
+With a single gradient per update (S = 1 on one device) there is no small gradient to
+compare: AdaptDL's difference estimator then takes the last two updates' gradients as the
+small ones and their mean as the big one (b_big = 2 b_small). It is biased (the two were
+taken at different weights), so the averages restart when unbiased estimates begin.
+
 No mxnet here: the piece is plain floats, and its state (`LrScalingState`) pickles and
 goes into checkpoints as a dict.
 """
@@ -51,8 +56,15 @@ class SmoothedMoments:
     trace_sum: float = 0.0
     weight: float = 0.0
     samples: int = 0
+    #: whether the averages hold difference (biased) estimates
+    biased: bool = False
 
-    def add(self, g2: float, trace: float, decay: float) -> None:
+    def add(self, g2: float, trace: float, decay: float, biased: bool = False) -> None:
+        """One estimate; the first unbiased one after biased ones restarts the averages
+        (as AdaptDL's estimator)."""
+        if self.biased and not biased:
+            self.g2_sum = self.trace_sum = self.weight = 0.0
+        self.biased = biased
         self.g2_sum = decay * self.g2_sum + (1.0 - decay) * g2
         self.trace_sum = decay * self.trace_sum + (1.0 - decay) * trace
         self.weight = decay * self.weight + (1.0 - decay)
@@ -67,6 +79,15 @@ class SmoothedMoments:
     def trace_sigma(self) -> Optional[float]:
         """Smoothed tr(Sigma) per example, None before the first sample."""
         return self.trace_sum / self.weight if self.weight > 0 else None
+
+    @property
+    def noise_scale(self) -> Optional[float]:
+        """B_noise = tr(Sigma) / |G|^2 in examples (McCandlish et al. 2018), clamped at 0;
+        inf when |G|^2 <= 0, None before the first sample."""
+        g2, trace = self.gradient_sq, self.trace_sigma
+        if g2 is None or trace is None:
+            return None
+        return math.inf if g2 <= 0.0 else max(trace, 0.0) / g2
 
 
 def adascale_gain(gradient_sq: Optional[float], trace_sigma: Optional[float],
@@ -119,7 +140,8 @@ class LrScalingState:
         numbers = [state.progress, state.last_gain, state.last_scale,
                    state.moments.g2_sum, state.moments.trace_sum, state.moments.weight]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) \
-                or not isinstance(state.moments.samples, int):
+                or not isinstance(state.moments.samples, int) \
+                or not isinstance(state.moments.biased, bool):
             raise TypeError('lr_scaling state fields must be numbers: %r' % (saved,))
         return state
 
@@ -178,16 +200,17 @@ class LrScaling:
         return self.rule == 'adascale'
 
     def observe(self, small_sq: list, big_sq: float, b_small: float, b_big: float,
-                scale: float) -> None:
+                scale: float, biased: bool = False) -> None:
         """One update's squared norms (per-example units): the small gradients' and the
-        applied one's. Skipped (not finite) updates must not come here."""
+        applied one's (`biased`: the difference estimator's). Skipped (not finite) updates
+        must not come here."""
         if not small_sq or b_big <= b_small:
             return
         values = list(small_sq) + [big_sq]
         if not all(math.isfinite(v) for v in values):
             return
         g2, trace = noise_moments(sum(small_sq) / len(small_sq), big_sq, b_small, b_big)
-        self.state.moments.add(g2, trace, self.smoothing ** scale)
+        self.state.moments.add(g2, trace, self.smoothing ** scale, biased)
 
     def ratio(self, scale: float, base_batch: float) -> float:
         """AdaScale's r at `scale` from the current estimates."""

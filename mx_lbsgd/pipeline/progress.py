@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional
 
 import mxnet as mx
 
 from .. import _compat
 from ..loss_scaling.scaler import DynamicLossScaler
 
+from .batch_choice import BatchChoiceState
 from .lr_scaling import LrScalingState
 
 if TYPE_CHECKING:
@@ -64,16 +65,22 @@ def micro_batches(opt: mx.optimizer.Optimizer) -> int:
 
 
 def num_update_after_count(opt: mx.optimizer.Optimizer, ledger: SkipLedger,
-                           index: Iterable[Any], batch_scale: int,
+                           index: Iterable[Any], updates_of: Callable[[int], int],
                            counts_applied_updates: bool) -> int:
     """``num_update`` once the parameters `index` were counted: micro-batches (as MXNet's
-    LBSGD counts), or applied updates when `counts_applied_updates`."""
+    LBSGD counts), or applied updates when `counts_applied_updates` (`updates_of`: applied
+    updates after a number of micro-batches)."""
     _, counts = _compat.update_counts(opt)
     top = max(counts[i] for i in index)
     if counts_applied_updates:
         first = opt.begin_num_update
-        return first + (top - first) // batch_scale + ledger.skipped_updates
+        return first + updates_of(top - first) + ledger.skipped_updates
     return ledger.counted(opt.num_update, top)
+
+
+def windows(gain: Optional[LrGain]) -> Optional[BatchChoiceState]:
+    """The window lengths taken so far (``batch_scale='auto'``), else None."""
+    return None if gain is None or gain.chooser is None else gain.chooser.state
 
 
 def rewind(opt: mx.optimizer.Optimizer, index: Iterable[Any], micro_batches: int) -> None:
@@ -152,6 +159,9 @@ class ProgressViews:
         if self._lr_gain is not None:
             saved['lr_scaling'] = self._lr_gain.piece.state.as_dict()
             saved['lr_scaling_window'] = self._lr_gain.pending_small()
+            saved['lr_scaling_previous'] = self._lr_gain.previous_gradient()
+            chosen = windows(self._lr_gain)
+            saved['batch_choice'] = None if chosen is None else chosen.as_dict()
         return saved
 
     def load_progress(self, saved: Dict[str, Any]) -> None:
@@ -167,6 +177,39 @@ class ProgressViews:
                 self._lr_gain.piece.state = LrScalingState.from_dict(saved['lr_scaling'])
                 if saved.get('lr_scaling_window'):
                     self._lr_gain.restore_small(*saved['lr_scaling_window'])
+                if saved.get('lr_scaling_previous'):
+                    self._lr_gain.restore_previous(saved['lr_scaling_previous'])
+        chooser = None if self._lr_gain is None else self._lr_gain.chooser
+        if saved.get('batch_choice') is not None:
+            if chooser is None:
+                warnings.warn("the checkpoint holds a batch_scale='auto' state (window %s) "
+                              'and this optimizer has a fixed batch_scale=%d: it is not used'
+                              % (saved['batch_choice']['segments'][-1]['length'],
+                                 self.batch_scale), RuntimeWarning)
+            else:
+                chooser.state = BatchChoiceState.from_dict(saved['batch_choice'])
+                self.batch_scale = chooser.state.window
+
+    def check_progress(self, saved: Dict[str, Any]) -> None:
+        """ValueError (before anything loads) when `saved` cannot resume into this optimizer:
+        with ``batch_scale='auto'``, a run of a fixed batch_scale under way, or window
+        lengths outside this optimizer's ``batch_scale_bounds``."""
+        chooser = None if self._lr_gain is None else self._lr_gain.chooser
+        if chooser is None:
+            return
+        if saved.get('batch_choice') is None:
+            if saved.get('num_update', 0) > getattr(self, 'begin_num_update', 0):
+                raise ValueError(
+                    "the checkpoint was written with a fixed batch_scale, and this optimizer "
+                    "has batch_scale='auto', whose window arithmetic starts from its own "
+                    'states: resume with the fixed batch_scale')
+            return
+        state = BatchChoiceState.from_dict(saved['batch_choice'])
+        low, high = chooser.bounds
+        taken = [state.window] + ([] if state.pending is None else [state.pending])
+        if not all(low <= n <= high for n in taken):
+            raise ValueError('the checkpoint has window length(s) %s, outside this '
+                             'optimizer\'s batch_scale_bounds=%r' % (taken, chooser.bounds))
 
     @property
     def learning_rate(self) -> float:
@@ -204,12 +247,32 @@ class ProgressViews:
     def window_position(self) -> int:
         """Micro-batches of the open accumulation window (0 at a window boundary, where
         MXNet's own ``Trainer.save_states`` keeps every device's state)."""
+        chosen = windows(self._lr_gain)
+        if chosen is not None:
+            return chosen.position(self.micro_batches)
         return self.micro_batches % self.batch_scale
 
     @property
     def applied_updates(self) -> int:
-        """Updates that changed the weights, ``micro_batches // batch_scale``."""
-        return self.micro_batches // self.batch_scale
+        """Updates that changed the weights, ``micro_batches // batch_scale`` (with
+        ``batch_scale='auto'``: over the window lengths taken)."""
+        return self._updates_of(self.micro_batches)
+
+    @property
+    def window_history(self) -> Optional[list]:
+        """With ``batch_scale='auto'``: [(applied updates before it, window length)] of
+        every length taken, in order. None without."""
+        chosen = windows(self._lr_gain)
+        if chosen is None:
+            return None
+        return [(s.first_update, s.length) for s in chosen.segments]
+
+    def _updates_of(self, micro_batches: int) -> int:
+        """Applied updates once `micro_batches` micro-batches were counted."""
+        chosen = windows(self._lr_gain)
+        if chosen is not None:
+            return chosen.update_of(micro_batches)
+        return micro_batches // self.batch_scale
 
     def lr_multiplier(self, position: Optional[int] = None) -> float:
         """The warmup learning-rate multiplier at micro-batch `position` (default: the last
@@ -219,4 +282,4 @@ class ProgressViews:
     def _count_micro_batch(self, index: Any) -> None:
         _compat.count_update(self, index)     # MXNet's count, then num_update from it
         self.num_update = num_update_after_count(
-            self, self._ledger, index, self.batch_scale, self.counts_applied_updates)
+            self, self._ledger, index, self._updates_of, self.counts_applied_updates)

@@ -97,6 +97,12 @@ class StepProtocol:
             # a window in the optimizer: the gate holds the whole step for the norm
             self._gate.new_step(gradients if self._clip is None or applied else None)
 
+    def begin_micro_batch(self, trainer: Any) -> None:
+        """A Trainer step begins, before its reduction reads the window (a window length
+        chosen by ``batch_scale='auto'`` takes effect at a window boundary)."""
+        if self._lr_gain is not None:
+            self._lr_gain.window_begins(trainer, cast(Any, self))
+
     def observe_micro_batch(self, trainer: Any, window_at_trainer: bool) -> None:
         """A micro-batch's gradients, before the Trainer reduces (or sums) them."""
         if self._lr_gain is not None:
@@ -135,11 +141,12 @@ class StepProtocol:
 
     def refuse_updates_on_kvstore(self) -> None:
         if self._lr_gain is not None:
+            auto = '' if self._lr_gain.chooser is None else ", batch_scale='auto'"
             raise ValueError(
-                "%s(lr_scaling=%r) cannot run on the kvstore's servers, which update key by "
-                "key and never see a whole update; use gluon.Trainer(..., "
+                "%s(lr_scaling=%r%s) cannot run on the kvstore's servers, which update key "
+                "by key and never see a whole update; use gluon.Trainer(..., "
                 'update_on_kvstore=False) (Module: kvstore=None or local)'
-                % (type(self).__name__, self._lr_gain.piece.rule))
+                % (type(self).__name__, self._lr_gain.piece.rule, auto))
         if self.loss_scaler is not None:
             _scaling.refuse_kvstore_updates(type(self).__name__)
         if self._clip is not None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import weakref
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import mxnet as mx
@@ -51,7 +51,7 @@ from ..families.base import KernelFamily
 from ..loss_scaling import gate as _scaling, graph as _graph_scale, overflow
 from ..loss_scaling.scaler import DynamicLossScaler
 from . import binding as _binding, clip as _clip_piece, progress as _progress, state as _state
-from . import lr_gain as _lr_gain
+from . import batch_choice as _choice, lr_gain as _lr_gain
 from .apply import Call, StepApplier
 from .clip import ClipViews, GlobalNormClip, StepNorms
 from .plan import Plan, PlanCache
@@ -72,8 +72,9 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
 
     Parameters
     ----------
-    batch_scale : int >= 1
-        Micro-batches per update (keyword-only, as every parameter here).
+    batch_scale : int >= 1 or 'auto'
+        Micro-batches per update (keyword-only, as every parameter here); after
+        construction the current window length (an int).
     fused : None or bool
         Kernel path (``$MX_LBSGD_FUSED`` when None).
     loss_scaler : DynamicLossScaler or None
@@ -97,6 +98,14 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         ``num_update``. Needs a gluon Trainer (any engine).
     lr_scaling_smoothing : float in [0, 1), default 0.999
         Decay per base batch of AdaScale's estimates.
+    batch_scale_bounds : None or (int, int)
+        With ``batch_scale='auto'``: the window lengths it may choose, 1 <= lo <= hi
+        (`mx_lbsgd.pipeline.batch_choice`: the most goodput from measured window times and
+        the noise scale, changed at most 2x at a time at a window boundary, the same on
+        every worker). Needs an ``lr_scaling`` rule and a gluon Trainer whose window is at
+        its reduction (dense gradients).
+    batch_scale_interval : int >= 1, default 16
+        Applied updates between two choices of ``batch_scale='auto'``.
     **kwargs
         ``mx.optimizer.Optimizer``'s (``learning_rate``, ``wd``, ``rescale_grad``, ...).
 
@@ -166,33 +175,31 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     _warmup: Warmup
     _trust: Optional[TrustRatio]
 
-    def __init__(self, *, batch_scale: int, fused: Optional[bool],
+    def __init__(self, *, batch_scale: Union[int, str], fused: Optional[bool],
                  loss_scaler: Optional[DynamicLossScaler], count_skipped_steps: bool,
                  scale_key: str, multi_precision: bool,
                  overflow_history_size: int = overflow.HISTORY_SIZE,
                  overflow_log_interval: float = overflow.LOG_INTERVAL,
                  overflow_alert: str = overflow.ALERT, check_local_overflow: bool = False,
                  max_grad_norm: Optional[float] = None, lr_scaling: Optional[str] = None,
-                 lr_scaling_smoothing: float = 0.999, **kwargs: Any) -> None:
+                 lr_scaling_smoothing: float = 0.999,
+                 batch_scale_bounds: Optional[Tuple[int, int]] = None,
+                 batch_scale_interval: int = 16, **kwargs: Any) -> None:
         check_choice('fused', fused, (None, True, False))
         _lr_gain.check_args(lr_scaling, lr_scaling_smoothing)
-        check_choice('overflow_alert', overflow_alert, overflow.ALERT_CHANNELS)
-        if max_grad_norm is not None:
-            check_real('max_grad_norm', max_grad_norm, 0.0)
-        check_int('overflow_history_size', overflow_history_size, 0)
-        check_real('overflow_log_interval', overflow_log_interval, 0.0, allow_inf=True)
-        check_choice('check_local_overflow', check_local_overflow, (False, True))
-        _check_lr_wd(kwargs)
-        for name in ('rescale_grad', 'clip_gradient'):
-            if kwargs.get(name) is not None:
-                check_real(name, kwargs[name])
+        first_window, bounds = _choice.check_args(batch_scale, batch_scale_bounds,
+                                                  batch_scale_interval, lr_scaling)
+        _check_reports_and_clipping(overflow_alert, max_grad_norm, overflow_history_size,
+                                    overflow_log_interval, check_local_overflow)
+        _check_mxnet_arguments(kwargs)
         if _compat.creating_module_updates_on_kvstore():
             if loss_scaler is not None:
                 _scaling.refuse_kvstore_updates(type(self).__name__)
             if max_grad_norm:
                 _clip_piece.refuse_kvstore_updates(type(self).__name__)
         super().__init__(multi_precision=multi_precision, **kwargs)
-        self.batch_scale = int(batch_scale)
+        self.batch_scale, self.batch_scale_bounds = first_window, bounds
+        self.batch_scale_interval = int(batch_scale_interval)
         self.fused = _fused_from_env(fused)
         self.loss_scaler = loss_scaler
         self.count_skipped_steps = bool(count_skipped_steps)
@@ -243,11 +250,15 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         super().set_learning_rate(lr)
 
     # -- state (`state`) ----------------------------------------------------------------
+    def _window_capacity(self) -> int:
+        """The longest window: the accumulators exist in the states when it is > 1."""
+        return _choice.capacity(self.batch_scale, self.__dict__.get('batch_scale_bounds'))
+
     def create_state(self, index: Any, weight: mx.nd.NDArray) -> Any:
-        if weight.dtype == np.float16 and self.batch_scale > 1:
-            raise ValueError('batch_scale=%d with float16 weights needs multi_precision=True:'
-                             ' the float32 accumulated gradient updates the float32 master '
-                             'copy' % self.batch_scale)
+        if weight.dtype == np.float16 and self._window_capacity() > 1:
+            raise ValueError('windows of up to batch_scale=%d with float16 weights need '
+                             'multi_precision=True: the float32 accumulated gradient updates '
+                             'the float32 master copy' % self._window_capacity())
         return self._make_state(index, weight, weight.dtype, None)
 
     def create_state_multi_precision(self, index: Any, weight: mx.nd.NDArray) -> Any:
@@ -264,12 +275,14 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
                     master: Optional[mx.nd.NDArray]) -> Any:
         param = self.param_dict.get(index)
         sparse = param is not None and _compat.grad_stype(param) == 'row_sparse'
-        return _state.make_state(self._family, weight, dtype, master, self.batch_scale, sparse)
+        return _state.make_state(self._family, weight, dtype, master, self._window_capacity(),
+                                 sparse)
 
     def split_state(self, weight: mx.nd.NDArray, state: Any) -> _state.StateParts:
         """(family state, master copy or None, accumulator or None) of a state in this
         optimizer's layout; states of MXNet's own optimizer fit it at batch_scale=1."""
-        return _state.split_state(self._family, weight, state, batch_scale=self.batch_scale,
+        return _state.split_state(self._family, weight, state,
+                                  batch_scale=self._window_capacity(),
                                   multi_precision=self.multi_precision,
                                   owner=type(self).__name__)
 
@@ -405,12 +418,26 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
 _HOLD_ONLY = DynamicLossScaler(enabled=False)
 
 
-def _check_lr_wd(kwargs: Dict[str, Any]) -> None:
-    """learning_rate (None: the scheduler's or MXNet's default) and wd: finite, >= 0."""
+def _check_mxnet_arguments(kwargs: Dict[str, Any]) -> None:
+    """learning_rate (None: the scheduler's or MXNet's default) and wd: finite, >= 0;
+    rescale_grad and clip_gradient: real numbers."""
     if kwargs.get('learning_rate') is not None:
         check_real('learning_rate', kwargs['learning_rate'], 0.0)
     if 'wd' in kwargs:
         check_real('wd', kwargs['wd'], 0.0)
+    for name in ('rescale_grad', 'clip_gradient'):
+        if kwargs.get(name) is not None:
+            check_real(name, kwargs[name])
+
+
+def _check_reports_and_clipping(alert: Any, max_grad_norm: Any, history_size: Any,
+                                log_interval: Any, check_local: Any) -> None:
+    check_choice('overflow_alert', alert, overflow.ALERT_CHANNELS)
+    if max_grad_norm is not None:
+        check_real('max_grad_norm', max_grad_norm, 0.0)
+    check_int('overflow_history_size', history_size, 0)
+    check_real('overflow_log_interval', log_interval, 0.0, allow_inf=True)
+    check_choice('check_local_overflow', check_local, (False, True))
 
 
 def _fused_from_env(fused: Optional[bool]) -> Optional[bool]:
