@@ -12,10 +12,9 @@ from mxnet import autograd, gluon, nd
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
 from mx_lbsgd.pipeline import batch_choice as bc
+from test_lr_scaling import B, D, NOISE, _net, _regression
 
 pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
-
-D, B, NOISE = 10, 8, 1.0
 
 
 # -- the pure piece --------------------------------------------------------------------
@@ -134,21 +133,6 @@ def test_no_choice_without_estimates_and_every_interval():
 
 
 # -- under a Trainer -------------------------------------------------------------------
-def _regression(seed=0):
-    rng = np.random.RandomState(seed)
-    wstar = rng.normal(size=(1, D)).astype('f')
-    delta = 0.3 * np.ones((1, D), 'f')
-    mu2 = float((delta.astype(np.float64) ** 2).sum())
-    return rng, wstar, delta, mu2, (D + 1) * mu2 + D * NOISE ** 2
-
-
-def _net(weight):
-    net = gluon.nn.Dense(1, in_units=D, use_bias=False)
-    net.initialize()
-    net.weight.set_data(nd.array(weight))
-    return net
-
-
 def _batch(rng, wstar, batch=B):
     x = rng.normal(size=(batch, D)).astype('f')
     return x, x @ wstar.T + NOISE * rng.normal(size=(batch, 1)).astype('f')

@@ -93,7 +93,8 @@ class LrGain:
                 'Trainer reduces every micro-batch (row_sparse gradients, or a LossScaling '
                 "hook: give the optimizer its own loss_scaler). Use a fixed batch_scale, or "
                 'dense gradients')
-        opt.batch_scale = self.chooser.window_begins(_progress.micro_batches(opt))
+        if self.chooser.state.pending is not None:     # the count is a pass over the params
+            opt.batch_scale = self.chooser.window_begins(_progress.micro_batches(opt))
 
     def micro_batch(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
                     window_at_trainer: bool) -> None:
