@@ -9,6 +9,7 @@ the private names collected from MXNet's own classes and objects.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import weakref
@@ -405,8 +406,12 @@ def rebind_parameter(param: mx.gluon.Parameter, data: mx.nd.NDArray,
 
 
 #: the number of each Trainer that `sum_over_workers` served, in the order of first use (the
-#: same on every worker): its Horovod name and dist kvstore key
+#: same on every worker): its Horovod name and dist kvstore key. Numbers are never reused:
+#: a Trainer is freed when the cyclic collector runs, which is not at the same time on
+#: every worker, so a count of the live ones would name two Trainers alike on one worker
+#: and not on another (and the job would hang in the reduction)
 _WORKER_SUMS: 'weakref.WeakKeyDictionary[mx.gluon.Trainer, int]' = weakref.WeakKeyDictionary()
+_WORKER_SUM_NUMBERS = itertools.count()
 
 
 def sum_over_workers(trainer: mx.gluon.Trainer, array: mx.nd.NDArray) -> None:
@@ -424,7 +429,7 @@ def sum_over_workers(trainer: mx.gluon.Trainer, array: mx.nd.NDArray) -> None:
     number = _WORKER_SUMS.get(trainer)
     first = number is None
     if number is None:
-        number = _WORKER_SUMS[trainer] = len(_WORKER_SUMS)
+        number = _WORKER_SUMS[trainer] = next(_WORKER_SUM_NUMBERS)
     if _is_horovod_trainer(trainer):
         import horovod.mxnet as hvd
         process_set = getattr(trainer, '_process_set', hvd.global_process_set)
@@ -627,6 +632,15 @@ def set_fresh(array: mx.nd.NDArray, fresh: bool) -> None:
     """Set a parameter array's ``_fresh_grad`` flag (`is_fresh` reads it): False once its
     gradient is used, as ``Trainer._update`` does. Why: NDArray has no public setter."""
     array._fresh_grad = fresh
+
+
+def count_on_device(opt: mx.optimizer.Optimizer, context: mx.Context) -> None:
+    """Make the update counts of `context`'s device the optimizer's current ones.
+
+    Why: MXNet's Updater selects them (the private ``Optimizer._set_current_context``)
+    before each call; the calls the loss-scale gate held back from one device run during a
+    later call for another (Module on several devices), and must count on their own."""
+    opt._set_current_context(context.device_id)
 
 
 def count_update(opt: mx.optimizer.Optimizer, index: Any) -> None:

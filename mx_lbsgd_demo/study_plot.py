@@ -1,6 +1,7 @@
 """study.png: steps to target against batch size (log-log) per method, with McCandlish's
-fitted curve, the perfect-scaling line, B_crit per method and the measured B_simple.
-matplotlib is imported when the figure is drawn."""
+fitted curve, the perfect-scaling line, B_crit per method and the measured B_simple; the
+adascale-auto run as a star at its mean batch. matplotlib is imported when the figure is
+drawn."""
 import numpy as np
 
 from .study_fit import predicted_steps
@@ -22,7 +23,7 @@ def plot_study(result, path):
         hit = [(b, s) for b, s in zip(batches, steps) if s is not None]
         reached_all += [s for _, s in hit]
         if hit:
-            ax.plot(*zip(*hit), 'o-', color=color, label=name)
+            ax.plot(*zip(*hit), 'o-', color=color, label=_label(name, result))
         missed = [b for b, s in zip(batches, steps) if s is None]
         if missed:
             cap = result['settings']['max_steps']
@@ -41,6 +42,7 @@ def plot_study(result, path):
         if first:
             ax.plot(dense, first * batches[0] / dense, color='gray', lw=1,
                     label='perfect scaling (S ∝ 1/B)')
+    _plot_auto(ax, result.get('auto'))
     summary = result['b_simple']['summary']
     if summary:
         ax.axvline(summary, color='black', lw=2, alpha=0.5,
@@ -56,3 +58,20 @@ def plot_study(result, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _label(name, result):
+    if name == 'adascale':
+        return 'adascale (the lr of B = %d at every B)' % result['batch_sizes'][0]
+    return name
+
+
+def _plot_auto(ax, auto):
+    """The adascale-auto run: a star at (mean batch, steps), a line over the batches taken."""
+    if not auto or auto['steps_to_target'] is None:
+        return
+    steps, taken = auto['steps_to_target'], auto['batches_taken'] or [auto['mean_batch']]
+    ax.plot([min(taken), max(taken)], [steps, steps], '-', color='black', lw=1, alpha=0.6)
+    ax.plot([auto['mean_batch']], [steps], '*', color='black', ms=13,
+            label='adascale-auto: %d steps, mean batch %.0f (line: batches taken)'
+                  % (steps, auto['mean_batch']))

@@ -1,6 +1,6 @@
-"""The study's results: per method the tuned cells, McCandlish's fit and B_simple
-(:func:`summarize`, what study.json holds), and the markdown tables it prints
-(:func:`tables`)."""
+"""The study's results: per method the tuned cells, McCandlish's fit and B_simple, AdaScale's
+gains and the goodput-chosen batch's run (:func:`summarize`, what study.json holds), and
+the markdown tables it prints (:func:`tables`)."""
 import math
 
 from .study_fit import fit_tradeoff
@@ -30,9 +30,10 @@ def _scaling_limit(batches, steps, efficiency=0.5):
     return last
 
 
-def summarize(cells_by_method, settings):
+def summarize(cells_by_method, settings, auto=None):
     """study.json's content: batch_sizes, methods -> {steps_to_target, lr, examples,
-    fit, b_crit, s_min, e_min, b_simple, ...}, b_simple (per method and batch, summary)."""
+    fit, b_crit, s_min, e_min, b_simple, ...; adascale: batch_scale, gain_mean, ...},
+    b_simple (per method and batch, summary), auto (the adascale-auto run, with `auto`)."""
     batches = settings['batch_sizes']
     methods, b_simple = {}, {}
     trainings = 0
@@ -52,11 +53,59 @@ def summarize(cells_by_method, settings):
             b_simple_median=_median(per_batch),
             skipped_steps=[c['skipped'] for c in cells],
             grids=[c['grid'] for c in cells], seconds=sum(c['seconds'] for c in cells))
+        if name == 'adascale':
+            methods[name].update(_adascale_keys(cells, batches))
         b_simple[name] = dict(per_batch=per_batch, median=_median(per_batch))
     everything = [v for entry in b_simple.values() for v in entry['per_batch']]
     b_simple['summary'] = _median(everything)
-    return dict(batch_sizes=batches, methods=methods, b_simple=b_simple,
-                trainings=trainings, target=settings['target'])
+    out = dict(batch_sizes=batches, methods=methods, b_simple=b_simple,
+               trainings=trainings, target=settings['target'])
+    if auto is not None:
+        out['auto'] = _auto_summary(auto, methods.get('adascale'), batches)
+        out['trainings'] += 1
+    return out
+
+
+def _adascale_keys(cells, batches):
+    """adascale's keys: one lr (tuned at the smallest batch) times the gain per update."""
+    return dict(lr_scaling='adascale', micro_batch=batches[0],
+                batch_scale=[b // batches[0] for b in batches],
+                gain_mean=[c['gain_mean'] for c in cells],
+                gain_last=[c['gain_last'] for c in cells],
+                progress_to_target=[c['progress'] if c['steps'] is not None else None
+                                    for c in cells])
+
+
+def _auto_summary(run, fixed, batches):
+    """study.json's auto: the adascale-auto run, and where its updates and examples fall
+    among the fixed-batch adascale rows'."""
+    steps, base = run['steps'], batches[0]
+    examples = run['examples'] if steps is not None else None
+    windows = run['window_history'] or []
+    out = dict(method='adascale-auto', lr=run['lr'], micro_batch=base,
+               batch_scale_bounds=run['bounds'], batch_scale_interval=run['interval'],
+               steps_to_target=steps, examples_to_target=examples,
+               mean_batch=examples / steps if steps else None,
+               window_history=windows, final_window=run['window'],
+               final_batch=base * run['window'] if run['window'] else None,
+               batches_taken=sorted({base * k for _, k in windows}),
+               progress_to_target=run['progress'] if steps is not None else None,
+               gain_mean=run['gain_mean'], gain_last=run['gain_last'],
+               last_step=run['last_step'], cap=run['cap'], seconds=run['wall_time_s'])
+    if fixed is not None and steps is not None:
+        out['against_fixed'] = dict(
+            steps=_between(batches, fixed['steps_to_target'], steps),
+            examples=_between(batches, fixed['examples_to_target'], examples))
+    return out
+
+
+def _between(batches, values, x):
+    """The fixed-batch rows around `x`: above, the (B, value) with the least value >= x;
+    below, the one with the largest value <= x (None where there is none)."""
+    pairs = [(b, v) for b, v in zip(batches, values) if v is not None]
+    above = min((p for p in pairs if p[1] >= x), key=lambda p: (p[1], p[0]), default=None)
+    below = max((p for p in pairs if p[1] <= x), key=lambda p: (p[1], -p[0]), default=None)
+    return dict(above=list(above) if above else None, below=list(below) if below else None)
 
 
 def _fmt(value, spec='%.0f'):
@@ -69,12 +118,16 @@ def tables(result):
     s = result['settings']
     head = '| method | ' + ' | '.join('%d' % b for b in batches) + ' |'
     rule = '|---|' + '---:|' * len(batches)
-    lines = ['Steps to %.2f validation accuracy on %s (at the lr with the fewest steps; '
+    untuned = ('; adascale: at the lr tuned at B = %d only' % batches[0]
+               if 'adascale' in methods else '')
+    lines = ['Steps to %.2f validation accuracy on %s (at the lr with the fewest steps%s; '
              '—: not reached within %d steps at any lr tried):' % (
-                 s['target'], s['dataset'], s['max_steps']), '', head, rule]
+                 s['target'], s['dataset'], untuned, s['max_steps']), '', head, rule]
     for name, m in methods.items():
         lines.append('| %s | %s |' % (name, ' | '.join(_fmt(v) for v in m['steps_to_target'])))
-    lines += ['', 'Learning rate chosen (peak, after warmup):', '', head, rule]
+    lines += ['', 'Learning rate chosen (peak, after warmup%s):' % (
+        '; adascale: the lr given, which each update multiplies by its gain'
+        if untuned else ''), '', head, rule]
     for name, m in methods.items():
         lines.append('| %s | %s |' % (name, ' | '.join('%.3g' % v for v in m['lr'])))
     lines += ['', "McCandlish's fit S = S_min (1 + B_crit / B) against the noise scale "
@@ -98,4 +151,66 @@ def tables(result):
         lines.append('| %s | %s |' % (name, ' | '.join(
             '%s / %s' % (_fmt(a), _fmt(t)) for a, t in zip(m['b_simple'],
                                                            m['b_simple_at_target']))))
+    if 'adascale' in methods:
+        lines += _adascale_lines(batches, methods['adascale'])
+    if 'auto' in result:
+        lines += _auto_lines(result['auto'])
     return '\n'.join(lines)
+
+
+def _adascale_lines(batches, m):
+    """The adascale rows' scale S, gains and progress, per batch."""
+    b = m['micro_batch']
+    return [
+        '', 'AdaScale (adascale: S = B / %d micro-batches of %d per update, lr %.3g tuned at '
+        'B = %d only, times the gain r in [1, S] per update): mean gain (the sum of the gains '
+        'over the updates to the target) / last gain, and that sum, the progress to the '
+        'target in steps of batch %d (AdaScale keeps it near the steps at B = %d):'
+        % (b, b, m['lr'][0], b, b, b), '',
+        '| adascale | ' + ' | '.join('%d' % x for x in batches) + ' |',
+        '|---|' + '---:|' * len(batches),
+        '| S | %s |' % ' | '.join('%d' % k for k in m['batch_scale']),
+        '| mean / last gain | %s |' % ' | '.join(
+            '%s / %s' % (_fmt(a, '%.2f'), _fmt(z, '%.2f'))
+            for a, z in zip(m['gain_mean'], m['gain_last'])),
+        '| progress to target | %s |' % ' | '.join(_fmt(v) for v in m['progress_to_target'])]
+
+
+def _windows_text(windows, shown=12):
+    """'update: length' of each window length taken, the first `shown` of them."""
+    text = ', '.join('%d: %d' % (u, k) for u, k in windows[:shown])
+    return text + (', ... (%d in all)' % len(windows) if len(windows) > shown else '')
+
+
+def _auto_lines(a):
+    """The adascale-auto run's row and where it falls among the fixed-batch rows."""
+    b, (low, high) = a['micro_batch'], a['batch_scale_bounds']
+    lines = [
+        '', "Goodput-chosen batch (adascale-auto: batch_scale='auto', windows of %d to %d "
+        'micro-batches of %d chosen every %d updates, lr %.3g as adascale; mean batch: '
+        'examples / steps; final batch: the window of the update at the target x %d; '
+        'windows: update: micro-batches from then on):'
+        % (low, high, b, a['batch_scale_interval'], a['lr'], b), '',
+        '| run | steps | examples | mean batch | final batch | mean / last gain | windows |',
+        '|---|---:|---:|---:|---:|---|---|',
+        '| adascale-auto | %s | %s | %s | %s | %s / %s | %s |' % (
+            _fmt(a['steps_to_target']), _fmt(a['examples_to_target']), _fmt(a['mean_batch']),
+            _fmt(a['final_batch']), _fmt(a['gain_mean'], '%.2f'),
+            _fmt(a['gain_last'], '%.2f'), _windows_text(a['window_history']))]
+    if 'against_fixed' in a:
+        around = a['against_fixed']
+        lines += ['', 'Against the fixed-batch adascale rows: steps %s; examples %s.' % (
+            _between_text(around['steps']), _between_text(around['examples']))]
+    return lines
+
+
+def _between_text(around):
+    above, below = around['above'], around['below']
+    if above and below:
+        if above == below:
+            return 'as at B = %d (%.0f)' % tuple(above)
+        return 'between B = %d (%.0f) and B = %d (%.0f)' % tuple(min(above, below) +
+                                                                  max(above, below))
+    if above:
+        return 'fewer than at every B (nearest: B = %d, %.0f)' % tuple(above)
+    return 'more than at every B (nearest: B = %d, %.0f)' % tuple(below)

@@ -496,3 +496,50 @@ def test_every_rank_takes_the_same_windows(sharded, tmp_path):
     assert len(results[0]['history']) > 1
     assert results[0]['seconds'] != results[1]['seconds']
     assert results[0]['gain'] == results[1]['gain']
+
+
+def test_a_window_of_one_stands_off_the_line():
+    """A window of 1 has no accumulation pass: once two longer lengths are timed, the line
+    goes through those and the window of 1 keeps its own time; before, the line goes
+    through every length timed."""
+    t_micro, t_update, alone = 0.002, 0.005, 0.006      # below the line's 0.007
+    timings = _timings([(1, alone, 8), (2, 2 * t_micro + t_update, 8),
+                        (4, 4 * t_micro + t_update, 8)])
+    assert bc.fit_window_time(timings) == pytest.approx((t_micro, t_update), rel=1e-9)
+    assert bc.single_window_time(timings) == alone
+    assert bc.single_window_time(timings[:2]) is None
+    slope, _ = bc.fit_window_time(timings[:2])
+    assert slope == pytest.approx(2 * t_micro + t_update - alone)
+    # the choice counts the window of 1 at its own time
+    got = bc.choose_window(2, (1, 16), t_micro, t_update, 32, 2, 100.0, single=alone)
+    assert got == _reference_choice_of(lambda n: alone if n == 1 else n * t_micro + t_update,
+                                       2, (1, 16), 32, 2, 100.0)
+
+
+def _reference_choice_of(seconds, current, bounds, b, workers, noise, margin=0.02):
+    def g(length):
+        m = length * b * workers
+        return (noise + b) / (noise + m) * m / seconds(length)
+    lengths = [n for n in range(bounds[0], bounds[1] + 1) if current / 2 <= n <= 2 * current]
+    best = max(lengths, key=lambda n: (g(n), -abs(n - current)))
+    return best if g(best) > (1 + margin) * g(current) else current
+
+
+@pytest.mark.parametrize('bounds, timed, window, pending', [
+    ((1, 16), [1], 1, 2),           # one length: twice it
+    ((1, 16), [1, 2], 2, 4),        # one length of 2 or more: twice it, whatever the goodput
+    ((1, 16), [1, 2], 1, 2),        # back at 1: towards the lengths still to time
+    ((1, 8), [8], 8, 4),            # at hi: half
+    ((1, 2), [1, 2], 2, 1),         # the bounds hold one length >= 2: the goodput decides
+    ((1, 16), [1, 2, 4], 4, 2),     # the line has its points: the goodput decides
+])
+def test_exploring_until_the_line_has_points(bounds, timed, window, pending):
+    """Tiny noise scale (every longer window wastes examples): while exploring the choice
+    still grows; once the line has its points the goodput shrinks the window."""
+    chooser = bc.BatchChoice(bounds, interval=1)
+    for n in timed:
+        for _ in range(4):
+            chooser.measured(n, 0.01 * n + 0.005)
+    chooser.state.segments[-1] = bc.Segment(0, 0, window)
+    chooser.applied(base_batch=32, workers=2, noise_scale=1.0)
+    assert chooser.state.pending == pending

@@ -126,3 +126,24 @@ def test_fp16_training_underflows_without_scaling_and_learns_with_it():
     assert lost_scaled < 0.2 * lost_plain
     assert scaler.scale > 2.0 ** 16            # the scale grew during training
     assert acc_scaled > 0.93
+
+
+@pytest.mark.parametrize('batch_scale', [1, 2])
+def test_module_on_two_devices_keeps_their_windows_together(monkeypatch, batch_scale):
+    """A loss-scaled Module on two devices: the gate holds the first device's calls until
+    the second one's arrive, and each call counts its micro-batch on its own device, so
+    both devices close their windows together and hold the one-device run's weights."""
+    from test_lr_scaling_module import _batches, _module, _module_step
+    monkeypatch.setenv('MXNET_UPDATE_ON_KVSTORE', '0')
+    weights = []
+    for contexts in ((mx.cpu(0),), (mx.cpu(0), mx.cpu(1))):
+        mod = _module('lbsgd', dict(learning_rate=0.05, momentum=0.9, warmup_epochs=0,
+                                    batch_scale=batch_scale,
+                                    loss_scaler=mx_lbsgd.DynamicLossScaler(init_scale=8.0)),
+                      contexts, scaled=True)
+        data = _batches()
+        for _ in range(6):
+            _module_step(mod, *next(data))
+        weights.append([w.asnumpy() for w in mod._exec_group.param_arrays[0]])
+    assert np.array_equal(weights[1][0], weights[1][1])
+    np.testing.assert_allclose(weights[1][0], weights[0][0], rtol=1e-6, atol=1e-6)

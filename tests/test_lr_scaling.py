@@ -352,23 +352,6 @@ def test_bad_rule_or_smoothing(name):
         mx.optimizer.create(name, lr_scaling='adascale', lr_scaling_smoothing=1.0)
 
 
-def test_module_is_refused_before_any_change():
-    data = mx.sym.Variable('data')
-    out = mx.sym.LinearRegressionOutput(mx.sym.FullyConnected(data, num_hidden=1, name='fc'),
-                                        name='lro')
-    mod = mx.mod.Module(out, label_names=['lro_label'])
-    mod.bind(data_shapes=[('data', (4, 3))], label_shapes=[('lro_label', (4, 1))])
-    mod.init_params(mx.init.One())
-    mod.init_optimizer(optimizer='lbsgd', optimizer_params=dict(
-        learning_rate=0.1, warmup_epochs=0, lr_scaling='linear'))
-    batch = mx.io.DataBatch([nd.ones((4, 3))], [nd.zeros((4, 1))])
-    mod.forward_backward(batch)
-    before = mod.get_params()[0]['fc_weight'].asnumpy()
-    with pytest.raises(ValueError, match="lr_scaling='linear'.*needs a gluon Trainer"):
-        mod.update()
-    assert np.array_equal(mod.get_params()[0]['fc_weight'].asnumpy(), before)
-
-
 def test_update_on_kvstore_is_refused():
     ctx = [mx.cpu(0), mx.cpu(1)]
     net = _net(np.ones((1, D), 'f'), ctx)
@@ -455,3 +438,27 @@ def test_uneven_batches_give_every_rank_the_same_gain(tmp_path):
     results = _worker_results(tmp_path, cfg)
     assert results[0]['gain'] == results[1]['gain'] != 1.0
     assert results[0]['progress'] == results[1]['progress']
+
+
+def test_worker_sums_never_share_a_name():
+    """The reduction of the norms is named by the Trainer's number: a Trainer freed (by the
+    cyclic collector, at different times on different workers) never hands its number to a
+    new one, so two live Trainers never share a name."""
+    import gc
+    import weakref
+    from mx_lbsgd import _compat
+
+    def trainer():
+        return gluon.Trainer(_net(np.ones((1, D), 'f')).collect_params(), 'lbsgd',
+                             dict(lr_scaling='adascale', batch_scale=2))
+    x = nd.zeros((1,))
+    first, second = trainer(), trainer()
+    _compat.sum_over_workers(first, x)
+    _compat.sum_over_workers(second, x)
+    freed = weakref.ref(first)
+    del first
+    gc.collect()
+    assert freed() is None
+    third = trainer()
+    _compat.sum_over_workers(third, x)
+    assert _compat._WORKER_SUMS[third] != _compat._WORKER_SUMS[second]

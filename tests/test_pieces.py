@@ -72,14 +72,14 @@ def test_trust_ratio_rates_match_reference(lo, hi):
 @pytest.mark.parametrize('B', [2, 4])     # the shell accumulates only when B > 1
 def test_window_in_the_optimizer_sums_then_releases(B):
     rng = np.random.RandomState(1)
-    window = InOptimizerWindow(B)
+    window = InOptimizerWindow()
     accs = [mx.nd.zeros((3,)), mx.nd.zeros((2, 2))]
     total = [np.zeros((3,)), np.zeros((2, 2))]
     for k in range(1, 2 * B + 1):
         grads = [rng.uniform(-1, 1, a.shape) for a in accs]
         r = 0.5 + k
         out = window.add(accs=accs, grads=[mx.nd.array(g) for g in grads], positions=[k, k],
-                         rescale_grad=r, sparse=[], scratch={})
+                         rescale_grad=r, sparse=[], scratch={}, size=B)
         total = [t + r * g for t, g in zip(total, grads)]
         if k % B:
             assert out is None
@@ -92,10 +92,10 @@ def test_window_in_the_optimizer_sums_then_releases(B):
 
 
 def test_window_in_the_optimizer_refuses_mixed_positions():
-    window = InOptimizerWindow(2)
+    window = InOptimizerWindow()
     with pytest.raises(RuntimeError, match='different positions'):
         window.add(accs=[mx.nd.zeros((1,))] * 2, grads=[mx.nd.ones((1,))] * 2,
-                   positions=[1, 2], rescale_grad=1.0, sparse=[], scratch={})
+                   positions=[1, 2], rescale_grad=1.0, sparse=[], scratch={}, size=2)
 
 
 @pytest.mark.parametrize('B', [2, 3])

@@ -15,10 +15,14 @@ largest G, if it beats the current one's by ``margin``; it takes effect at the n
 
 ``t_micro`` (forward, backward and accumulation of one micro-batch) and ``t_update`` (the
 reduction, the update and the step's host read) are the least-squares line through the mean
-seconds of each window length measured so far. While one length only is measured, the
-choice is its neighbour (twice it; half of it at hi), so that the line has two points; a
-length whose measurement shows it slower is left at the next choice. Window seconds are host times between consecutive updates' host reads:
-the reads wait for the window's work, so the time between them is the window's period.
+seconds of each window length of 2 or more measured so far. A window of 1 has no
+accumulation pass (its gradient is reduced as it is), so its own measured time stands for
+it, off the line (a line through 1 and 2 overestimates every longer window). While the
+line lacks points (fewer than two lengths of 2 or more measured, where the bounds hold
+two), the choice is twice the current length (half of it at hi), whatever the goodput; a
+length whose measurement shows it slower is left at the next choice. Window seconds are
+host times between consecutive updates' host reads: the reads wait for the window's work,
+so the time between them is the window's period.
 
 Qiao et al., "Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep Learning"
 (OSDI 2021). AdaptDL (Pollux's code, PyTorch) picks the per-replica batch and the
@@ -190,11 +194,17 @@ def _well_formed(state: BatchChoiceState) -> bool:
 def fit_window_time(timings: Sequence[WindowTiming]) -> Optional[Tuple[float, float]]:
     """(t_micro, t_update) of T(B) = B * t_micro + t_update through the measured mean
     seconds (least squares weighted by windows counted, both terms >= 0), None before any
-    measurement; one length measured: half of its time each way (see the module
-    docstring)."""
+    measurement; one length measured: half of its time each way. Once two lengths of 2 or
+    more are measured, the line goes through those only: a window of 1 skips the
+    accumulation (its one gradient is reduced as it is), so it lies below the line of the
+    others, and a line through it and 2 overestimates the cost of every longer window
+    (see the module docstring)."""
     seen = [t for t in timings if t.count > 0]
     if not seen:
         return None
+    longer = [t for t in seen if t.length >= 2]
+    if len(longer) >= 2:
+        seen = longer
     if len(seen) == 1:
         t = seen[0]
         return t.seconds / (2.0 * t.length), t.seconds / 2.0
@@ -214,11 +224,22 @@ def fit_window_time(timings: Sequence[WindowTiming]) -> Optional[Tuple[float, fl
     return slope, intercept
 
 
+def single_window_time(timings: Sequence[WindowTiming]) -> Optional[float]:
+    """The measured seconds of a window of 1 when the line leaves it out
+    (`fit_window_time`), else None (the line gives it)."""
+    seen = {t.length: t for t in timings if t.count > 0}
+    if 1 not in seen or len([n for n in seen if n >= 2]) < 2:
+        return None
+    return seen[1].seconds
+
+
 def goodput(length: int, t_micro: float, t_update: float, base_batch: float, workers: int,
-            noise_scale: float) -> float:
-    """G(B) of the module docstring (base-batch examples per second)."""
+            noise_scale: float, seconds: Optional[float] = None) -> float:
+    """G(B) of the module docstring (base-batch examples per second); `seconds`: T(B) when
+    measured apart from the line."""
     examples = length * base_batch * workers
-    seconds = length * t_micro + t_update
+    if seconds is None:
+        seconds = length * t_micro + t_update
     efficiency = 1.0 if math.isinf(noise_scale) else \
         (noise_scale + base_batch) / (noise_scale + examples)
     return efficiency * examples / seconds if seconds > 0.0 else 0.0
@@ -226,15 +247,17 @@ def goodput(length: int, t_micro: float, t_update: float, base_batch: float, wor
 
 def choose_window(current: int, bounds: Tuple[int, int], t_micro: float, t_update: float,
                   base_batch: float, workers: int, noise_scale: float,
-                  margin: float = 0.02) -> int:
+                  margin: float = 0.02, single: Optional[float] = None) -> int:
     """The window length to take next (see the module docstring): `current` unless another
-    in the bounds and within a factor 2 of it has `margin` more goodput."""
+    in the bounds and within a factor 2 of it has `margin` more goodput. `single`: the
+    measured seconds of a window of 1 (`single_window_time`), else the line's."""
     current = min(max(current, bounds[0]), bounds[1])
     low = max(bounds[0], -(-current // 2))
     high = min(bounds[1], 2 * current)
 
     def of(length: int) -> float:
-        return goodput(length, t_micro, t_update, base_batch, workers, noise_scale)
+        return goodput(length, t_micro, t_update, base_batch, workers, noise_scale,
+                       single if length == 1 else None)
 
     best = max(range(low, high + 1), key=lambda b: (of(b), -abs(b - current)))
     return best if of(best) > (1.0 + margin) * of(current) else current
@@ -274,29 +297,36 @@ class BatchChoice:
 
     def applied(self, base_batch: float, workers: int, noise_scale: Optional[float]) -> None:
         """An update was applied; every `interval` of them, choose (into ``pending``).
-        While one length only is measured (the current one), the next choice is its
-        neighbour (twice it, or half at hi), so that the fitted line has two points."""
+        While the line lacks points (`exploring`), the choice is twice the current length
+        (half of it at hi), whatever the goodput, once the current one is measured."""
         state = self.state
         state.since_choice += 1
         if state.since_choice < self.interval or noise_scale is None or not base_batch > 0:
             return
-        measured = [t.length for t in state.timings if t.count > 0]
-        if len(measured) == 1:
-            if measured[0] != state.window:
-                return                      # the length taken last is not measured yet
-            state.since_choice = 0
+        exploring = self.exploring()
+        fit = fit_window_time(state.timings)
+        if fit is None or (exploring and not any(t.length == state.window and t.count
+                                                 for t in state.timings)):
+            return                          # the length taken last is not measured yet
+        state.since_choice = 0
+        if exploring:
             low, high = self.bounds
             window = state.window
             neighbour = min(2 * window, high) if window < high else max(-(-window // 2), low)
             state.pending = neighbour if neighbour != window else None
             return
-        fit = fit_window_time(state.timings)
-        if fit is None:
-            return
-        state.since_choice = 0
         chosen = choose_window(state.window, self.bounds, fit[0], fit[1], base_batch,
-                               workers, noise_scale)
+                               workers, noise_scale,
+                               single=single_window_time(state.timings))
         state.pending = chosen if chosen != state.window else None
+
+    def exploring(self) -> bool:
+        """Whether the line still lacks points: fewer than two lengths measured, or (where
+        the bounds hold two lengths of 2 or more) fewer than two such lengths."""
+        low, high = self.bounds
+        measured = [t.length for t in self.state.timings if t.count > 0]
+        longer = len([n for n in measured if n >= 2])
+        return low < high and (len(measured) < 2 or longer < min(2, high - max(low, 2) + 1))
 
     def window_begins(self, micro_batches: int) -> int:
         """A window begins after `micro_batches` micro-batches: take the pending length.

@@ -15,6 +15,13 @@ Per update, driven by the step protocol (`binding` -> the optimizer -> here)::
                                               few updates choose the next length
     a skipped update:                         nothing is estimated, advanced or chosen
 
+Under Module or a bare Updater no Trainer says where an update begins; the step gate holds
+each micro-batch's calls together, and `module_step` takes the norms of the gradients the
+Updater passes (already reduced over the devices and workers: the base batch is the
+Module's batch, 1 / rescale_grad, and S = batch_scale): each micro-batch's, and at the
+window's end the accumulated window's (at S = 1, the difference estimator's, read with the
+loss scaler's flag when there is one).
+
 Measuring ('adascale', or ``batch_scale='auto'``) costs one pass over the gradients per
 micro-batch and one over the reduced gradient (at S = 1 on one device, the difference
 estimator's four passes and a float32 copy of the gradients instead), a reduction of a few
@@ -73,6 +80,8 @@ class LrGain:
         self._timed = 0
         # a checkpoint's previous gradient (difference estimator), for a one-device probe
         self._saved_previous: Optional[Tuple[float, list]] = None
+        self._module_early = False
+        self._module_device: Optional[mx.Context] = None
 
     @property
     def measures(self) -> bool:
@@ -148,11 +157,7 @@ class LrGain:
                 closes_window: bool) -> None:
         if self._probe is None:
             return
-        extra: Tuple[float, ...] = ()
-        if self.chooser is not None:
-            unsent, self.chooser.state.unsent = self.chooser.state.unsent, None
-            self._timed, seconds = unsent if unsent is not None else (0, math.nan)
-            extra = (seconds,)
+        extra = self._unsent()
         self._observation = self._probe.after_reduction(trainer, opt, closes_window,
                                                         across_workers=True, extra=extra)
 
@@ -209,10 +214,8 @@ class LrGain:
         if update.gain is None:
             seen, base = update.observation, 1.0
             if seen is not None:
-                if update.values is None:
-                    update.values = _probe.read(seen.arrays())
-                    self._read_at(update)
-                norms = seen.resolve(update.values)
+                self.read_pending()
+                norms = seen.resolve(cast(List[float], update.values))
                 base = norms.b_worker
                 if not math.isfinite(norms.big_raw):   # skipped (clipping), or applied as is
                     update.gain = self.piece.gain(update.scale, base)
@@ -227,6 +230,92 @@ class LrGain:
                                          self.piece.state.moments.noise_scale)
             update.gain = self.piece.advance(update.scale, base)
         return update.gain
+
+    def read_pending(self) -> None:
+        """Read the norms of the update begun, unless read already (one host read)."""
+        update = self._update
+        if update is not None and update.observation is not None and update.values is None:
+            update.values = _probe.read(update.observation.arrays())
+            self._read_at(update)
+
+    # -- Module and bare Updaters: no Trainer says where an update begins -----------------
+    def take_window(self, opt: PipelineOptimizer) -> None:
+        """At a window boundary ('auto'): the chosen length takes effect."""
+        if self.chooser is not None and self.chooser.state.pending is not None:
+            opt.batch_scale = self.chooser.window_begins(_progress.micro_batches(opt))
+
+    def module_step(self, opt: PipelineOptimizer, micro: Sequence[mx.nd.NDArray],
+                    factor: float, closes: bool,
+                    window: Optional[Sequence[mx.nd.NDArray]], early: bool = False) -> None:
+        """One micro-batch of a Module or a bare Updater, whose calls the step gate held
+        together: `micro` its gradients on one device (the Updater's are reduced over the
+        devices and workers already), times `factor` mean per-example gradients of the
+        Module's batch b = 1 / rescale_grad (the base batch: S = batch_scale); `window` the
+        accumulated gradients when it `closes` a window of more than one (their mean per
+        example: times 1 / batch_scale). At S = 1, the difference estimator. With a loss
+        scaler at S = 1 the gate's finite check calls this `early`, before its flag read,
+        which then brings the norms; the step's own call is then a no-op."""
+        if micro and self._module_device is None:
+            self._module_device = micro[0].context
+        if micro and micro[0].context != self._module_device:
+            return          # another device's copy (the first step decides device by device)
+        if self._module_early:      # taken early: the step's own call
+            self._module_early = early
+            return
+        if not micro:               # a skipped step
+            return
+        self._module_early = early
+        seen = self._module_observation(opt, micro, factor, closes, window) \
+            if self.measures else None
+        if closes:
+            self._update = _Update(scale=float(opt.batch_scale), observation=seen,
+                                   length=opt.batch_scale, timed=self._timed)
+            self._timed = 0
+
+    def _module_observation(self, opt: PipelineOptimizer, micro: Sequence[mx.nd.NDArray],
+                            factor: float, closes: bool,
+                            window: Optional[Sequence[mx.nd.NDArray]]
+                            ) -> Optional[_probe.Observation]:
+        probe = self._module_probe()
+        batch = 1.0 / opt.rescale_grad
+        dense = all(g.stype == 'default' for g in micro)
+        if window is None and closes:        # a window of one: one gradient per update
+            previous = cast(_probe.PreviousGradient, probe.previous)
+            pair = previous.pair(micro, factor) if dense else None
+            extra = self._unsent()
+            if pair is None:
+                return _probe.Observation(small=[], big=(_probe.sum_squares(micro),
+                                                         factor * batch), batch=batch,
+                                          devices=1, workers=1, window=1, extra=extra)
+            return _probe.Observation(small=pair[0], big=pair[1], batch=batch, devices=1,
+                                      workers=1, window=1, extra=extra, difference=True)
+        cast(_probe.PreviousGradient, probe.previous).forget()
+        probe.small.append((_probe.sum_squares(micro), factor * factor))
+        if not closes or window is None:
+            return None
+        seen = _probe.Observation(small=probe.small, big=(_probe.sum_squares(window),
+                                                          batch / opt.batch_scale),
+                                  batch=batch, devices=1, workers=1, window=opt.batch_scale,
+                                  extra=self._unsent())
+        probe.small = []
+        return seen
+
+    def _module_probe(self) -> _probe.NormProbe:
+        if self._probe is None:
+            self._probe = _probe.NormProbe(1, small_every=1, difference=True)
+        if self._saved_previous is not None:
+            cast(_probe.PreviousGradient, self._probe.previous).restore(*self._saved_previous)
+            self._saved_previous = None
+        return self._probe
+
+    def _unsent(self) -> Tuple[float, ...]:
+        """('auto') the seconds of the last window timed on this worker, which go with this
+        update's norms (reduced with them, on several workers)."""
+        if self.chooser is None:
+            return ()
+        unsent, self.chooser.state.unsent = self.chooser.state.unsent, None
+        self._timed, seconds = unsent if unsent is not None else (0, math.nan)
+        return (seconds,)
 
     def known_finite(self) -> Optional[bool]:
         """Whether the update's reduced gradient is finite, when its norm was read (clipping
@@ -295,10 +384,44 @@ def check_args(rule: Any, smoothing: Any) -> None:
     check_real('lr_scaling_smoothing', smoothing, 0.0, 1.0, open_max=True)
 
 
-def refuse_without_trainer(owner: str, rule: Any) -> None:
+def refuse_kvstore_updates(owner: str, rule: Any, auto: bool) -> None:
+    """Raise the refusal of ``lr_scaling`` where a kvstore updates the weights."""
     raise ValueError(
-        "%s(lr_scaling=%r) needs a gluon Trainer (gluon.Trainer, Horovod's "
-        'DistributedTrainer or mx_lbsgd.ShardedTrainer), which says where each update '
-        "begins and how many workers reduce it; Module.fit and bare Updaters are not "
-        'supported yet. Use lr_scaling=None and scale the learning rate yourself'
-        % (owner, rule))
+        "%s(lr_scaling=%r%s) cannot run on the kvstore's servers, which update key by key "
+        "and never see a whole update; use gluon.Trainer(..., update_on_kvstore=False) "
+        '(Module: kvstore=None, or the environment variable MXNET_UPDATE_ON_KVSTORE=0)'
+        % (owner, rule, ", batch_scale='auto'" if auto else ''))
+
+
+def refuse_auto_on_workers(opt: Any) -> None:
+    """``batch_scale='auto'`` under Module or a bare Updater chooses from this process's
+    clock alone: refused (before anything changes) where several workers reduce."""
+    workers = getattr(opt, '_module_worker', None) or _compat.horovod_worker()
+    if workers is not None and workers[1] > 1:
+        raise ValueError(
+            "batch_scale='auto' under Module (or a bare Updater) on %d workers: each worker "
+            'would time its own windows and choose its own lengths, and the reductions '
+            'would no longer match. Use a gluon Trainer (gluon.Trainer with a dist kvstore, '
+            "Horovod's DistributedTrainer or mx_lbsgd.ShardedTrainer), whose window times "
+            'are reduced with the norms, or a fixed batch_scale' % workers[1])
+
+
+def held_by_gate(gain: Optional[LrGain], opt: Any) -> bool:
+    """Whether the gain of `opt`'s update needs the step gate to hold a micro-batch's calls
+    together (Module or a bare Updater: no Trainer says where an update begins); refuses
+    'auto' there on several workers."""
+    if gain is None or opt._step_trainer is not None:
+        return False
+    if gain.chooser is not None:
+        refuse_auto_on_workers(opt)
+    return True
+
+
+def module_check(gain: Optional[LrGain], opt: Any, grads: Sequence[mx.nd.NDArray],
+                 factor: float) -> None:
+    """The gate's finite check of a Module's micro-batch at S = 1 (`grads`: the step's, on
+    every device; `factor`: rescale_grad / loss scale): the difference estimator's norms
+    are taken first, so that the check's one read brings them (`LrGain.module_step`)."""
+    if gain is not None and opt._step_trainer is None and opt.batch_scale == 1:
+        first = [g for g in grads if g.context == grads[0].context]
+        gain.module_step(opt, first, factor, closes=True, window=None, early=True)

@@ -16,7 +16,7 @@ import mxnet as mx
 
 from .. import _compat
 from ..loss_scaling import gate as _scaling
-from . import binding as _binding, clip as _clip_piece
+from . import binding as _binding, clip as _clip_piece, lr_gain as _lr_gain
 
 if TYPE_CHECKING:
     from ..loss_scaling.scaler import DynamicLossScaler
@@ -141,12 +141,8 @@ class StepProtocol:
 
     def refuse_updates_on_kvstore(self) -> None:
         if self._lr_gain is not None:
-            auto = '' if self._lr_gain.chooser is None else ", batch_scale='auto'"
-            raise ValueError(
-                "%s(lr_scaling=%r%s) cannot run on the kvstore's servers, which update key "
-                "by key and never see a whole update; use gluon.Trainer(..., "
-                'update_on_kvstore=False) (Module: kvstore=None or local)'
-                % (type(self).__name__, self._lr_gain.piece.rule, auto))
+            _lr_gain.refuse_kvstore_updates(type(self).__name__, self._lr_gain.piece.rule,
+                                            self._lr_gain.chooser is not None)
         if self.loss_scaler is not None:
             _scaling.refuse_kvstore_updates(type(self).__name__)
         if self._clip is not None:

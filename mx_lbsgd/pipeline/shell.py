@@ -114,7 +114,8 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     ValueError
         An argument out of range (a negative ``learning_rate``, ``wd`` or
         ``max_grad_norm``, ``fused`` not None/True/False, ``overflow_alert`` not 'warn' or
-        'log', ``lr_scaling`` not a rule, ...), or loss scaling or clipping on a Module that updates on the kvstore.
+        'log', ``lr_scaling`` not a rule, ...), or loss scaling, clipping or
+        ``lr_scaling`` on a Module that updates on the kvstore.
         When the optimizer is sent to kvstore servers: see the module docstring.
     TypeError
         A number of the wrong type.
@@ -193,10 +194,8 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
                                     overflow_log_interval, check_local_overflow)
         _check_mxnet_arguments(kwargs)
         if _compat.creating_module_updates_on_kvstore():
-            if loss_scaler is not None:
-                _scaling.refuse_kvstore_updates(type(self).__name__)
-            if max_grad_norm:
-                _clip_piece.refuse_kvstore_updates(type(self).__name__)
+            _refuse_module_kvstore_updates(type(self).__name__, lr_scaling, batch_scale,
+                                           loss_scaler, max_grad_norm)
         super().__init__(multi_precision=multi_precision, **kwargs)
         self.batch_scale, self.batch_scale_bounds = first_window, bounds
         self.batch_scale_interval = int(batch_scale_interval)
@@ -231,7 +230,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         # pickled as plain values
         self._ledger.skipped_updates = self.__dict__.pop('_skipped_updates', 0)
         self._ledger.last_step_skipped = bool(self.__dict__.pop('last_step_skipped', False))
-        self._accumulator = InOptimizerWindow(self.batch_scale)
+        self._accumulator = InOptimizerWindow()
         self._step_window: Optional[bool] = None   # whether this step closes a Trainer window
         self._overflow = overflow.OverflowMonitor(
             getattr(self, 'overflow_history_size', overflow.HISTORY_SIZE),
@@ -300,14 +299,14 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     def update_multi_precision(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
         if not isinstance(index, (list, tuple)):
             index, weight, grad, state = [index], [weight], [grad], [state]
-        if self._lr_gain is not None and self._step_trainer is None:
-            _lr_gain.refuse_without_trainer(type(self).__name__, self.lr_scaling)
         self._plan(index, weight, grad, state)    # validates states and names first
         if self._step_window is False:
             self._count_micro_batch(index)      # summed at the Trainer; nothing to apply yet
             self._ledger.last_step_skipped = False
             return
-        if self.loss_scaler is None and (self._clip is None or self._trainer_norms):
+        held = _lr_gain.held_by_gate(self._lr_gain, self)
+        if self.loss_scaler is None and not held and (self._clip is None
+                                                      or self._trainer_norms):
             self._apply_step([(index, weight, grad, state)], unscale=1.0)
             return
         if isinstance(index[0], str):     # Module's kvstore updater passes parameter names
@@ -330,6 +329,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         for held, apply_ in runs:
             self._ledger.last_step_skipped = not apply_
             if not apply_ and window > 1:
+                _compat.count_on_device(self, held[1][0].context)
                 _progress.rewind(self, held[0], window - 1)
         self._apply_step([held for held, apply_ in runs if apply_],
                          unscale=_scaling.unscale_factor(self._gate.loss_scale))
@@ -346,6 +346,8 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
             self._last_norms = self._norms or self._last_norms
             return _lr_gain.value_is_finite(self._lr_gain, self._step_sum_sq)
         # (an lr_scaling='adascale' update's norms come along in the same read)
+        _lr_gain.module_check(self._lr_gain, self, grads,
+                              self.rescale_grad / self._gate.loss_scale)
         if self._clip is None or not (self.batch_scale == 1 or self._step_window):
             return _lr_gain.all_finite(self._lr_gain, grads, fused)
         if not self._trainer_norms or self._norms is None:
@@ -438,6 +440,18 @@ def _check_reports_and_clipping(alert: Any, max_grad_norm: Any, history_size: An
     check_int('overflow_history_size', history_size, 0)
     check_real('overflow_log_interval', log_interval, 0.0, allow_inf=True)
     check_choice('check_local_overflow', check_local, (False, True))
+
+
+def _refuse_module_kvstore_updates(owner: str, lr_scaling: Any, batch_scale: Any,
+                                   loss_scaler: Any, max_grad_norm: Any) -> None:
+    """Module creates the optimizer for a kvstore that updates the weights key by key,
+    where no whole update is seen: refuse what needs one."""
+    if lr_scaling is not None:
+        _lr_gain.refuse_kvstore_updates(owner, lr_scaling, batch_scale == 'auto')
+    if loss_scaler is not None:
+        _scaling.refuse_kvstore_updates(owner)
+    if max_grad_norm:
+        _clip_piece.refuse_kvstore_updates(owner)
 
 
 def _fused_from_env(fused: Optional[bool]) -> Optional[bool]:

@@ -39,20 +39,17 @@ from .. import _compat, _kernels
 
 
 class InOptimizerWindow:
-    """Accumulation inside the optimizer, for windows of `size` micro-batches."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
+    """Accumulation inside the optimizer, for windows of `size` micro-batches (the length
+    of the window under way: with ``batch_scale='auto'`` it changes at window boundaries)."""
 
     def add(self, *, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
             positions: Sequence[int], rescale_grad: float, sparse: Sequence[int],
-            scratch: dict) -> Optional[Tuple[List[nd.NDArray], float]]:
+            scratch: dict, size: int) -> Optional[Tuple[List[nd.NDArray], float]]:
         """Add one micro-batch (per-parameter `positions`: 1-based counts) to `accs`.
 
         Returns None while the window is open, else the gradients to update with (the
         accumulators; a dense accumulator of a row_sparse gradient as row_sparse, so a lazy
         update touches the window's rows only) and their rescale_grad."""
-        size = self.size
         for j in sparse:
             _kernels.accumulate_sparse(acc=accs[j], grad=grads[j],
                                        first=positions[j] % size == 1, rescale_grad=rescale_grad)
