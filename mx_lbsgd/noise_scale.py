@@ -227,7 +227,11 @@ class GradientNoiseScale:
     def _window_at_trainer(self) -> bool:
         # the Trainer is alive: this runs from __init__ or while it steps
         opt = self._trainer().optimizer  # type: ignore[union-attr]
-        return opt.accumulates_at_trainer() and self._binding.window_at_reduction
+        # batch_scale='auto' whose bounds allow more than 1: its windows are at the
+        # reduction (or refused there) from their first longer one
+        longest = getattr(opt, '_window_capacity', lambda: 1)()
+        return (opt.accumulates_at_trainer() or longest > 1) \
+            and self._binding.window_at_reduction
 
     def _check_two_sizes(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> None:
         self._checked = True

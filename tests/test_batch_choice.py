@@ -543,3 +543,20 @@ def test_exploring_until_the_line_has_points(bounds, timed, window, pending):
     chooser.state.segments[-1] = bc.Segment(0, 0, window)
     chooser.applied(base_batch=32, workers=2, noise_scale=1.0)
     assert chooser.state.pending == pending
+
+
+def test_the_noise_scale_monitor_follows_an_auto_window_from_one():
+    """GradientNoiseScale on one device accepts batch_scale='auto' whose bounds start at 1
+    (its windows are at the reduction once they grow), and measures the regression's
+    B_noise within 10% once they have grown."""
+    rng, wstar, delta, mu2, trace = _regression(0)
+    net = _net(wstar + delta)
+    clock = _Clock(0.01, 0.3)
+    trainer = _auto_trainer(net, rule='adascale', bounds=(1, 16), interval=4, clock=clock)
+    monitor = mx_lbsgd.GradientNoiseScale(trainer, interval=1)
+    opt = trainer.optimizer
+    opt.set_learning_rate(0.0)
+    while opt.applied_updates < 400:
+        clock.step(opt, lambda: _step(net, trainer, *_batch(rng, wstar)))
+    assert opt.batch_scale > 1
+    assert monitor.b_simple == pytest.approx(trace / mu2, rel=0.1)

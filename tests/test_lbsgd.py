@@ -37,10 +37,14 @@ OPT_ARGS = dict(learning_rate=0.1, wd=1e-3, rescale_grad=0.5, clip_gradient=0.04
                 warmup_epochs=3, updates_per_epoch=2, lars_eta=0.02)
 
 
-def compare_with_reference(case, steps=8, shapes=SHAPES, names=NAMES, **extra):
+def compare_with_reference(case, steps=8, shapes=SHAPES, names=NAMES, zero=(), **extra):
+    """`zero`: layers whose gradient is all zero at every step."""
     dtype, mp, rtol = DTYPES[case['dtype']]
     args = dict(OPT_ARGS, **extra)
     weights, grads = make_problem(steps, shapes)
+    for step in grads:
+        for i in zero:
+            step[i] = np.zeros_like(step[i])
     if dtype == 'float16':   # the reference starts from what fp16 can hold
         weights = [w.astype(np.float16) for w in weights]
         grads = [[g.astype(np.float16) for g in step] for step in grads]
@@ -129,6 +133,22 @@ LARS_VARIANTS = [
 def test_lars_variants(variant, dtype, fused):
     case = dict(dtype=dtype, momentum=0.9, strategy='lars', B=1, fused=fused)
     compare_with_reference(case, **variant)
+
+
+@pytest.mark.parametrize('fused', PATHS)
+@pytest.mark.parametrize('bounds', [dict(lars_min=2.0), dict(lars_max=0.5),
+                                    dict(lars_min=1.5, lars_max=3.0)],
+                         ids=['above-1', 'below-1', 'band-above-1'])
+def test_lars_keeps_the_rate_of_a_layer_without_gradient(bounds, fused):
+    """A layer whose gradient is all zero keeps its lr (a trust ratio of 1, as MXNet's
+    multi_lars and LBSGD give it) even where [lars_min, lars_max] excludes 1: the clip
+    applies to the layers with a gradient only. (Without that guard its ratio would be
+    eta |w| / (wd |w| + eps), clipped into the bounds: its weight decay would change.)"""
+    case = dict(dtype='fp32', momentum=0.9, strategy='lars', B=1, fused=fused)
+    got, _ = compare_with_reference(case, zero=(0, 2), lars_exclude=(), lars_eta=0.5,
+                                    **bounds)
+    weights, _ = make_problem(8, SHAPES)
+    assert not np.array_equal(got[0], weights[0])       # weight decay moved it
 
 
 MIXED_SHAPES = [(400, 400), (7,), (64, 3, 3, 3), (5, 4), (140000,), (1,)]   # fp16: 2**17

@@ -225,6 +225,47 @@ def test_skipped_steps_move_nothing():
     assert np.array_equal(after[3], before[3])
 
 
+@pytest.mark.parametrize('rule', ['linear', 'sqrt', 'adascale'])
+@pytest.mark.parametrize('fused', [None, False])
+def test_a_step_skipped_by_clipping_moves_nothing(rule, fused):
+    """No loss scaler, clipping: a non-finite gradient norm skips the update (on the device
+    with the native kernels, after one read with MXNet's operators); the weights, the last
+    gain and the estimates stay as they were, and the progress too where the host knows of
+    the skip: with MXNet's operators, or 'adascale' (whose norms it reads). The native
+    kernels' skip under 'linear'/'sqrt', which read nothing, counts as an update."""
+    rng, wstar, delta, _, _ = _regression(0)
+    net = _net(wstar + delta)
+    trainer = gluon.Trainer(net.collect_params(), 'lbsgd', dict(
+        learning_rate=0.01, batch_scale=2, warmup_epochs=0, lr_scaling=rule,
+        max_grad_norm=1.0, fused=fused))
+    for _ in range(8):
+        _step(net, trainer, rng, wstar)
+    opt = trainer.optimizer
+    before = (opt.scale_invariant_steps, opt.last_gain,
+              opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
+    with pytest.warns(RuntimeWarning, match='not finite') if fused is False else \
+            _no_warning():
+        for k in range(2):
+            x = nd.array(rng.normal(size=(B, D)).astype('f'))
+            with autograd.record():
+                loss = (net(x) * (np.inf if k == 1 else 1.0)).sum()
+            loss.backward()
+            trainer.step(B)
+    after = (opt.scale_invariant_steps, opt.last_gain,
+             opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
+    unseen = fused is None and rule != 'adascale'
+    assert after[0] == before[0] + (opt.last_gain ** (2 if rule == 'sqrt' else 1)
+                                    if unseen else 0.0)
+    assert after[1] == before[1]
+    assert after[2]['moments'] == before[2]['moments']
+    assert np.array_equal(after[3], before[3])
+
+
+def _no_warning():
+    import contextlib
+    return contextlib.nullcontext()
+
+
 @pytest.mark.parametrize('fused', [None, False])
 @pytest.mark.parametrize('clip', [False, True])
 @pytest.mark.parametrize('scaled', [False, True])
