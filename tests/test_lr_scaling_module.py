@@ -105,6 +105,26 @@ def test_module_trains_as_a_gluon_trainer(name, rule, scale):
         assert 1.0 <= min(seen[0]) and (scale == 1 or max(seen[0]) > 1.0)
 
 
+@pytest.mark.parametrize('scale, clip', [(1, dict(max_grad_norm=0.5)),
+                                         (4, dict(max_grad_norm=0.5)),
+                                         (2, dict(clip_gradient=0.1))])
+def test_module_with_clipping_trains_as_a_gluon_trainer(scale, clip):
+    """'adascale' with global-norm or per-element clipping: the Module run's weights and
+    progress equal the gluon Trainer run's bit for bit."""
+    args = _args('lbsgd', 'adascale', scale, **clip)
+    mod = _module('lbsgd', args)
+    net, trainer = _gluon('lbsgd', args)
+    data = _batches()
+    for _ in range(40):
+        x, y = next(data)
+        _module_step(mod, x, y)
+        _gluon_step(net, trainer, x, y)
+    assert np.array_equal(mod.get_params()[0]['fc_weight'].asnumpy(),
+                          net.weight.data().asnumpy())
+    assert mod._optimizer.scale_invariant_steps == trainer.optimizer.scale_invariant_steps
+    assert mod._optimizer.scale_invariant_steps > 40 / scale or scale == 1
+
+
 def test_module_auto_takes_the_gluon_trainers_windows():
     """batch_scale='auto' with the same virtual clock: the Module takes the gluon Trainer's
     window lengths at the same updates, and ends with the same weights."""
