@@ -13,7 +13,7 @@ import itertools
 import os
 import sys
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import mxnet as mx
 
@@ -180,10 +180,16 @@ def patch_operator_invoke(hook: Callable[[Any], object]) -> Callable[[], None]:
         hook(handle)
         return original(handle, *args, **kwargs)
     register._imperative_invoke = counting
+    _INVOKE_HOOKS.append(hook)          # `invoke_prepared`'s calls
 
     def undo() -> None:
         register._imperative_invoke = original
+        _INVOKE_HOOKS.remove(hook)
     return undo
+
+
+#: the hooks of `patch_operator_invoke`, which `invoke_prepared` calls too
+_INVOKE_HOOKS: list[Callable[[Any], object]] = []
 
 
 def trainer_params(trainer: mx.gluon.Trainer) -> list[mx.gluon.Parameter]:
@@ -722,5 +728,47 @@ def load_operator_library(path: str, names: tuple[str, ...]) -> dict[str, Callab
         check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(handle)))
         function = _make_ndarray_function(handle, name, name)
         function.__module__ = 'mx_lbsgd._native'
+        function.op_handle = handle         # for `invoke_prepared`
         functions[name] = function
     return functions
+
+
+#: `invoke_prepared`'s kept input handle arrays per cache (the most recent ones)
+_PREPARED_KEPT = 8
+
+
+def invoke_prepared(function: Callable[..., Any], arrays: Sequence[mx.nd.NDArray],
+                    attrs: Mapping[str, Any], cache: dict) -> None:
+    """Call an operator of `load_operator_library` on `arrays` (inputs, updated in place;
+    its outputs are dropped) with attributes `attrs`, reusing the C array of input handles
+    while the call passes the same array objects as before (kept in `cache`).
+
+    Why: the generated function (``_make_ndarray_function``) checks every input's class and
+    builds the handle array on every call, a cost per array that a step with thousands of
+    tensors pays each time for the same arrays; this calls the same C function
+    (``MXImperativeInvokeEx``, as ``mxnet/_ctypes/ndarray.py``'s ``_imperative_invoke``,
+    MXNet 1.9.1) with the handle array kept. The kept arrays are the plan's (weights,
+    gradients, states), which their owners keep alive anyway."""
+    import ctypes
+    import operator
+    from mxnet.base import NDArrayHandle, _LIB, c_str_array, check_call
+    for hook in _INVOKE_HOOKS:
+        hook(function.op_handle)  # type: ignore[attr-defined]
+    key = (function.op_handle.value, len(arrays), id(arrays[0]))  # type: ignore[attr-defined]
+    entry = cache.get(key)
+    if entry is None or not all(map(operator.is_, arrays, entry[0])):
+        entry = (list(arrays), (NDArrayHandle * len(arrays))(*[a.handle for a in arrays]))
+        cache.pop(key, None)
+        while len(cache) >= _PREPARED_KEPT:
+            del cache[next(iter(cache))]
+        cache[key] = entry
+    num_output = ctypes.c_int(0)
+    outputs = ctypes.POINTER(NDArrayHandle)()
+    stypes = ctypes.POINTER(ctypes.c_int)()
+    check_call(_LIB.MXImperativeInvokeEx(
+        ctypes.c_void_p(function.op_handle.value),  # type: ignore[attr-defined]
+        ctypes.c_int(len(arrays)), entry[1], ctypes.byref(num_output),
+        ctypes.byref(outputs), ctypes.c_int(len(attrs)), c_str_array(list(attrs)),
+        c_str_array([str(v) for v in attrs.values()]), ctypes.byref(stypes)))
+    for i in range(num_output.value):     # the NDArray frees its handle when dropped
+        mx.nd.NDArray(ctypes.cast(outputs[i], NDArrayHandle))

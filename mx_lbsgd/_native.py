@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from . import _compat
 
@@ -70,8 +70,31 @@ def native_library() -> str | None:
 
 
 def attribute_list(values: Iterable[float]) -> str:
-    """Numbers as an operator attribute: comma-separated, each exact (repr of a float)."""
-    return ','.join(repr(float(v)) for v in values)
+    """Numbers as an operator attribute: comma-separated, each exact (repr of a float).
+    The last few strings are kept: the per-tensor rates of a step are mostly the ones of
+    the step before (a tuple's hash and compare cost a tenth of the formatting)."""
+    key = tuple(values)
+    text = _ATTRIBUTES.get(key)
+    if text is None:
+        text = ','.join(repr(float(v)) for v in key)
+        if len(_ATTRIBUTES) >= _ATTRIBUTES_KEPT:
+            del _ATTRIBUTES[next(iter(_ATTRIBUTES))]
+        _ATTRIBUTES[key] = text
+    return text
+
+
+#: attribute_list's last strings, oldest first (lrs and wds of a few plans)
+_ATTRIBUTES: dict[tuple, str] = {}
+_ATTRIBUTES_KEPT = 16
+
+
+def invoke(function: Callable[..., Any], arrays: Sequence[Any], attrs: dict,
+           scratch: dict) -> None:
+    """Call `function` (an operator of `ops`) on `arrays` with `attrs`, its input handle
+    array kept in `scratch` while the arrays stay the same objects
+    (`mx_lbsgd._compat.invoke_prepared`)."""
+    _compat.invoke_prepared(function, arrays, attrs,
+                            scratch.setdefault('native_calls', {}))
 
 
 def _library_path() -> str | None:

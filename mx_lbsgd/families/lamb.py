@@ -95,8 +95,7 @@ def _native_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments], maste
                  lrs: Floats, wds: Floats, steps: List[int],
                  ratio_applies: Optional[List[bool]], bounds: Dict[str, float], beta1: float,
                  beta2: float, epsilon: float, bias_correction: bool, rescale_grad: float,
-                 clip_gradient: Optional[float],
-                 scratch: dict,  # pylint: disable=unused-argument
+                 clip_gradient: Optional[float], scratch: dict,
                  grad_norm: Optional[GradNorm]) -> None:
     """All tensors in one call of the native ``mx_lbsgd_lamb_update`` (two passes over
     memory, norms included; excluded layers take ratio 1 in the same call; with
@@ -106,16 +105,18 @@ def _native_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments], maste
     arrays = (list(weights) + list(grads) + [s[0] for s in states] + [s[1] for s in states]
               + (list(masters) if mp else [])
               + ([grad_norm.sum_sq] if grad_norm is not None else []))
-    clip = {} if grad_norm is None else grad_norm.native_attrs()
+    attrs: Dict[str, Any] = {} if grad_norm is None else dict(grad_norm.native_attrs())
     applies = [1] * len(weights) if ratio_applies is None else [int(a) for a in ratio_applies]
     numbers = _native.attribute_list
-    _native.ops().lamb_update(  # type: ignore[union-attr]  # chosen only when ops() is set
-        *arrays, **clip, num_tensors=len(weights), multi_precision=int(mp), lrs=numbers(lrs),
-        wds=numbers(wds), steps=numbers(steps), applies=numbers(applies), beta1=beta1,
-        beta2=beta2, epsilon=epsilon, bias_correction=int(bias_correction),
-        rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient),
-        lower_bound=bounds.get('lower_bound', -1.0),
-        upper_bound=bounds.get('upper_bound', -1.0))
+    attrs.update(num_tensors=len(weights), multi_precision=int(mp), lrs=numbers(lrs),
+                 wds=numbers(wds), steps=numbers(steps), applies=numbers(applies),
+                 beta1=beta1, beta2=beta2, epsilon=epsilon,
+                 bias_correction=int(bias_correction), rescale_grad=rescale_grad,
+                 clip_gradient=native_clip(clip_gradient),
+                 lower_bound=bounds.get('lower_bound', -1.0),
+                 upper_bound=bounds.get('upper_bound', -1.0))
+    _native.invoke(_native.ops().lamb_update,  # type: ignore[union-attr]  # ops() is set
+                   arrays, attrs, scratch)
 
 
 def _multi_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments],

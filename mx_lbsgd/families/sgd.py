@@ -36,7 +36,7 @@ ratio and loss-scale gate do not depend on it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from mxnet import nd
 
@@ -139,8 +139,7 @@ def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters
 def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
                 lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray], momentum: float,
                 nesterov: bool, rescale_grad: float, clip_gradient: Optional[float],
-                scratch: dict,  # pylint: disable=unused-argument
-                grad_norm: Optional[GradNorm]) -> None:
+                scratch: dict, grad_norm: Optional[GradNorm]) -> None:
     """Every tensor in one call of the native ``mx_lbsgd_sgd_update``: one pass over
     memory, MXNet's arithmetic (``sgd_mom_update``, ``sgd_update``, and with LARS rates
     ``preloaded_multi_sgd_*``), float16 gradients widened on the fly (float16 weights with
@@ -152,14 +151,14 @@ def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
     arrays = list(weights) + list(grads) + (list(moms) if with_mom else []) + \
         (list(masters) if mp else []) + ([lr_vector] if lr_vector is not None else []) + \
         ([grad_norm.sum_sq] if grad_norm is not None else [])
-    clip = {} if grad_norm is None else grad_norm.native_attrs()
-    _native.ops().sgd_update(  # type: ignore[union-attr]  # chosen only when ops() is set
-        *arrays, **clip, num_tensors=len(weights), has_momentum=int(with_mom),
-        momentum=momentum if with_mom else 0.0, nesterov=int(nesterov and with_mom),
-        multi_precision=int(mp),
-        preloaded=int(lr_vector is not None), lrs=_native.attribute_list(lrs),
-        wds=_native.attribute_list(wds),
-        rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient))
+    attrs: Dict[str, Any] = {} if grad_norm is None else dict(grad_norm.native_attrs())
+    attrs.update(num_tensors=len(weights), has_momentum=int(with_mom),
+                 momentum=momentum if with_mom else 0.0, nesterov=int(nesterov and with_mom),
+                 multi_precision=int(mp), preloaded=int(lr_vector is not None),
+                 lrs=_native.attribute_list(lrs), wds=_native.attribute_list(wds),
+                 rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient))
+    _native.invoke(_native.ops().sgd_update,  # type: ignore[union-attr]  # ops() is set
+                   arrays, attrs, scratch)
 
 
 

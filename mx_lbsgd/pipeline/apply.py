@@ -149,7 +149,14 @@ class StepApplier:
             grad, rescale_grad = window
         return _Ready(plan=plan, index=index, weight=weight, grad=grad, positions=positions,
                       wds=_compat.weight_decays(self, index), rescale_grad=rescale_grad,
-                      steps=[self._updates_of(k) for k in positions])   # update number t
+                      steps=self._update_numbers(positions))
+
+    def _update_numbers(self, positions: List[int]) -> List[int]:
+        """The update number t of each parameter after its `positions` micro-batches
+        (computed once when they are all equal, as they usually are)."""
+        if positions.count(positions[0]) == len(positions):
+            return [self._updates_of(positions[0])] * len(positions)
+        return [self._updates_of(k) for k in positions]
 
     def _learning_rates(self, r: _Ready) -> List[float]:
         """The learning rates of a call whose window closed: the schedule's (at the

@@ -11,6 +11,7 @@ the group, else to its per-tensor and multi-tensor kernels by tensor size
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import mxnet as mx
@@ -57,7 +58,7 @@ class Plan:
 
     def fits(self, state: Sequence[Any]) -> bool:
         """Whether the Updater still holds the state objects this plan was made for."""
-        return all(a is b for a, b in zip(self.state, state))
+        return all(map(operator.is_, self.state, state))
 
 
 class PlanCache:
