@@ -78,7 +78,7 @@ def attribute_list(values: Iterable[float]) -> str:
     if text is None:
         text = ','.join(repr(float(v)) for v in key)
         if len(_ATTRIBUTES) >= _ATTRIBUTES_KEPT:
-            del _ATTRIBUTES[next(iter(_ATTRIBUTES))]
+            _ATTRIBUTES.pop(next(iter(_ATTRIBUTES), ()), None)    # (two threads may race)
         _ATTRIBUTES[key] = text
     return text
 

@@ -59,9 +59,11 @@ def _gluon(name, args):
     return net, gluon.Trainer(net.collect_params(), name, dict(args))
 
 
-def _gluon_step(net, trainer, x, y):
+def _gluon_step(net, trainer, x, y, scaler=None):
     with autograd.record():
         loss = gluon.loss.L2Loss()(net(nd.array(x)), nd.array(y))
+        if scaler is not None:
+            loss = loss * scaler.scale
     loss.backward()
     trainer.step(BATCH)
 
@@ -125,23 +127,33 @@ def test_module_with_clipping_trains_as_a_gluon_trainer(scale, clip):
     assert mod._optimizer.scale_invariant_steps > 40 / scale or scale == 1
 
 
-def test_module_auto_takes_the_gluon_trainers_windows():
-    """batch_scale='auto' with the same virtual clock: the Module takes the gluon Trainer's
-    window lengths at the same updates, and ends with the same weights."""
-    args = dict(learning_rate=0.02, warmup_epochs=0, lr_scaling='adascale',
-                batch_scale='auto', batch_scale_bounds=(1, 8), batch_scale_interval=2)
-    mod = _module('lbsgd', args)
-    net, trainer = _gluon('lbsgd', args)
-    clocks = (_Clock(0.01, 0.05), _Clock(0.01, 0.05))
+@pytest.mark.parametrize('scaled', [False, True])
+def test_module_auto_takes_the_gluon_trainers_windows(scaled):
+    """batch_scale='auto' with the same virtual clock (and a loss scaler, whose finite
+    check comes before the step): the Module takes the gluon Trainer's window lengths at
+    the same updates, times the same windows, and ends with the same weights."""
+    def args():
+        extra = dict(loss_scaler=mx_lbsgd.DynamicLossScaler(init_scale=4.0)) if scaled \
+            else {}
+        return dict(learning_rate=0.02, warmup_epochs=0, lr_scaling='adascale',
+                    batch_scale='auto', batch_scale_bounds=(1, 8), batch_scale_interval=2,
+                    **extra)
+    mod = _module('lbsgd', args(), scaled=scaled)
+    net, trainer = _gluon('lbsgd', args())
+    clocks = (_Clock(0.01, 0.3), _Clock(0.01, 0.3))
     mod._optimizer._lr_gain._clock = clocks[0]
     trainer.optimizer._lr_gain._clock = clocks[1]
     data = _batches()
     for _ in range(160):
         x, y = next(data)
         clocks[0].step(mod._optimizer, lambda: _module_step(mod, x, y))
-        clocks[1].step(trainer.optimizer, lambda: _gluon_step(net, trainer, x, y))
+        clocks[1].step(trainer.optimizer,
+                       lambda: _gluon_step(net, trainer, x, y, trainer.optimizer.loss_scaler))
     history = mod._optimizer.window_history
-    assert len(history) > 1 and history == trainer.optimizer.window_history
+    assert len(history) > 2 and history == trainer.optimizer.window_history
+    timed = [[(t.length, t.count, t.seconds) for t in o._lr_gain.chooser.state.timings]
+             for o in (mod._optimizer, trainer.optimizer)]
+    assert timed[0] == timed[1]
     assert np.array_equal(mod.get_params()[0]['fc_weight'].asnumpy(),
                           net.weight.data().asnumpy())
 

@@ -419,9 +419,14 @@ def held_by_gate(gain: Optional[LrGain], opt: Any) -> bool:
 
 def module_check(gain: Optional[LrGain], opt: Any, grads: Sequence[mx.nd.NDArray],
                  factor: float) -> None:
-    """The gate's finite check of a Module's micro-batch at S = 1 (`grads`: the step's, on
-    every device; `factor`: rescale_grad / loss scale): the difference estimator's norms
-    are taken first, so that the check's one read brings them (`LrGain.module_step`)."""
-    if gain is not None and opt._step_trainer is None and opt.batch_scale == 1:
+    """The gate's finite check of a Module's micro-batch (`grads`: the step's, on every
+    device; `factor`: rescale_grad / loss scale): at a window boundary a chosen length
+    takes effect first ('auto'), and at S = 1 the difference estimator's norms are taken,
+    so that the check's one read brings them (`LrGain.module_step`)."""
+    if gain is None or opt._step_trainer is not None:
+        return
+    if gain.chooser is not None and opt.window_position == 0:
+        gain.take_window(opt)
+    if opt.batch_scale == 1:
         first = [g for g in grads if g.context == grads[0].context]
         gain.module_step(opt, first, factor, closes=True, window=None, early=True)
