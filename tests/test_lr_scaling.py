@@ -199,6 +199,16 @@ def test_scheduler_sees_scale_invariant_steps():
             assert lr == pytest.approx(0.01 * 0.5 ** max(0, math.ceil(progress / 8) - 1))
 
 
+def _window_with_an_inf(net, trainer, rng):
+    """A window of 2 micro-batches whose second gradient is infinite."""
+    for k in range(2):
+        x = nd.array(rng.normal(size=(B, D)).astype('f'))
+        with autograd.record():
+            loss = (net(x) * (np.inf if k == 1 else 1.0)).sum()
+        loss.backward()
+        trainer.step(B)
+
+
 def test_skipped_steps_move_nothing():
     """An overflowing window: the update is skipped, and the estimates, the progress and
     the last gain stay as they were."""
@@ -212,12 +222,7 @@ def test_skipped_steps_move_nothing():
     opt = trainer.optimizer
     before = (opt.scale_invariant_steps, opt.last_gain,
               opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
-    for k in range(2):
-        x = nd.array(rng.normal(size=(B, D)).astype('f'))
-        with autograd.record():
-            loss = (net(x) * (np.inf if k == 1 else 1.0)).sum()
-        loss.backward()
-        trainer.step(B)
+    _window_with_an_inf(net, trainer, rng)
     assert opt.last_step_skipped
     after = (opt.scale_invariant_steps, opt.last_gain,
              opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
@@ -245,12 +250,7 @@ def test_a_step_skipped_by_clipping_moves_nothing(rule, fused):
               opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
     with pytest.warns(RuntimeWarning, match='not finite') if fused is False else \
             _no_warning():
-        for k in range(2):
-            x = nd.array(rng.normal(size=(B, D)).astype('f'))
-            with autograd.record():
-                loss = (net(x) * (np.inf if k == 1 else 1.0)).sum()
-            loss.backward()
-            trainer.step(B)
+        _window_with_an_inf(net, trainer, rng)
     after = (opt.scale_invariant_steps, opt.last_gain,
              opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
     unseen = fused is None and rule != 'adascale'

@@ -152,11 +152,8 @@ class StepApplier:
                       steps=self._update_numbers(positions))
 
     def _update_numbers(self, positions: List[int]) -> List[int]:
-        """The update number t of each parameter after its `positions` micro-batches
-        (computed once when they are all equal, as they usually are)."""
-        if positions.count(positions[0]) == len(positions):
-            return [self._updates_of(positions[0])] * len(positions)
-        return [self._updates_of(k) for k in positions]
+        """The update number t of each parameter after its `positions` micro-batches."""
+        return _per_position(positions, self._updates_of)
 
     def _learning_rates(self, r: _Ready) -> List[float]:
         """The learning rates of a call whose window closed: the schedule's (at the
@@ -174,7 +171,7 @@ class StepApplier:
         chosen = _progress.windows(self._lr_gain)
         if chosen is None:
             return positions
-        return [chosen.position(k) or self.batch_scale for k in positions]
+        return _per_position(positions, lambda k: chosen.position(k) or self.batch_scale)
 
     def _module_step(self, gain: LrGain, calls: List[Call], ready: List[_Ready],
                      unscale: float) -> None:
@@ -182,6 +179,15 @@ class StepApplier:
         the micro-batch's calls together): the gain's norms on the first device."""
         device = calls[0][1][0].context if calls else None
         micro = [g for c in calls if c[1][0].context == device for g in c[2]]
-        window = [g for r in ready if r.weight[0].context == device for g in r.grad]
+        window = [g for r in ready if r.weight[0].context == device for g in r.grad] \
+            if self.batch_scale > 1 else None
         gain.module_step(cast(Any, self), micro, self.rescale_grad * unscale,
-                         closes=bool(ready), window=window if self.batch_scale > 1 else None)
+                         closes=bool(ready), window=window)
+
+
+def _per_position(positions: List[int], value: Callable[[int], int]) -> List[int]:
+    """`value` of each micro-batch count, computed once when the counts are all equal (as
+    they are but after a skipped window)."""
+    if positions.count(positions[0]) == len(positions):
+        return [value(positions[0])] * len(positions)
+    return [value(k) for k in positions]

@@ -102,23 +102,15 @@ class LrGain:
                 'Trainer reduces every micro-batch (row_sparse gradients, or a LossScaling '
                 "hook: give the optimizer its own loss_scaler). Use a fixed batch_scale, or "
                 'dense gradients')
-        if self.chooser.state.pending is not None:     # the count is a pass over the params
-            opt.batch_scale = self.chooser.window_begins(_progress.micro_batches(opt))
+        self.take_window(opt)
 
     def micro_batch(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
                     window_at_trainer: bool) -> None:
         if not self.measures:
             return
-        if self._probe is None:
-            self._probe = _probe.NormProbe(
-                len(_compat.trainer_params(trainer)[0].list_ctx()), small_every=1,
-                difference=True)
-        if self._saved_previous is not None:
-            if self._probe.devices == 1:
-                cast(_probe.PreviousGradient, self._probe.previous).restore(
-                    *self._saved_previous)
-            self._saved_previous = None
-        self._probe.before_reduction(trainer, opt, window_at_trainer)
+        devices = self._probe.devices if self._probe is not None else \
+            len(_compat.trainer_params(trainer)[0].list_ctx())
+        self._probe_of(devices).before_reduction(trainer, opt, window_at_trainer)
 
     def pending_small(self) -> Optional[Tuple[int, List[Tuple[float, float]]]]:
         """(devices, [(sum of squares, factor)] of the small norms taken so far in an open
@@ -242,6 +234,7 @@ class LrGain:
     def take_window(self, opt: PipelineOptimizer) -> None:
         """At a window boundary ('auto'): the chosen length takes effect."""
         if self.chooser is not None and self.chooser.state.pending is not None:
+            # (only then: counting the micro-batches is a pass over the parameters)
             opt.batch_scale = self.chooser.window_begins(_progress.micro_batches(opt))
 
     def module_step(self, opt: PipelineOptimizer, micro: Sequence[mx.nd.NDArray],
@@ -276,7 +269,7 @@ class LrGain:
                             factor: float, closes: bool,
                             window: Optional[Sequence[mx.nd.NDArray]]
                             ) -> Optional[_probe.Observation]:
-        probe = self._module_probe()
+        probe = self._probe_of(1)
         batch = 1.0 / opt.rescale_grad
         dense = all(g.stype == 'default' for g in micro)
         if window is None and closes:        # a window of one: one gradient per update
@@ -300,13 +293,17 @@ class LrGain:
         probe.small = []
         return seen
 
-    def _module_probe(self) -> _probe.NormProbe:
+    def _probe_of(self, devices: int) -> _probe.NormProbe:
+        """The probe (made for `devices` devices if there is none yet), with a checkpoint's
+        previous gradient put back (one device: the difference estimator's)."""
         if self._probe is None:
-            self._probe = _probe.NormProbe(1, small_every=1, difference=True)
+            self._probe = _probe.NormProbe(devices, small_every=1, difference=True)
+        probe = self._probe
         if self._saved_previous is not None:
-            cast(_probe.PreviousGradient, self._probe.previous).restore(*self._saved_previous)
+            if probe.devices == 1:
+                cast(_probe.PreviousGradient, probe.previous).restore(*self._saved_previous)
             self._saved_previous = None
-        return self._probe
+        return probe
 
     def _unsent(self) -> Tuple[float, ...]:
         """('auto') the seconds of the last window timed on this worker, which go with this
