@@ -772,3 +772,44 @@ def invoke_prepared(function: Callable[..., Any], arrays: Sequence[mx.nd.NDArray
         c_str_array([str(v) for v in attrs.values()]), ctypes.byref(stypes)))
     for i in range(num_output.value):     # the NDArray frees its handle when dropped
         mx.nd.NDArray(ctypes.cast(outputs[i], NDArrayHandle))
+
+
+def host_all_finite(function: Any, arrays: Sequence[mx.nd.NDArray], cache: dict
+                    ) -> Optional[bool]:
+    """Run the native library's ``mx_lbsgd_host_all_finite`` (a ctypes function) on
+    `arrays`: it waits for each array through ``MXNDArrayWaitToRead``, takes its data
+    pointer with ``MXNDArrayGetData`` and tests the bits on the calling thread. None when an
+    array is not a dense float16/float32 CPU NDArray. The handle, size and dtype arrays are
+    kept in `cache` while the call passes the same array objects as before.
+
+    Why: an engine operator followed by a host read costs two thread wake-ups (about 0.1
+    ms on this CPU; the whole loss-scaled step of a small model is 0.6 ms); the functions
+    are MXNet 1.9.1's C API (``include/mxnet/c_api.h``), handed over as pointers because
+    the library does not link MXNet."""
+    import ctypes
+    import operator
+    import numpy as np
+    from mxnet.base import _LIB, check_call
+    key = ('host_all_finite', len(arrays), id(arrays[0]))
+    entry = cache.get(key)
+    if entry is None or not all(map(operator.is_, arrays, entry[0])):
+        fits = all(a.stype == 'default' and a.context.device_type == 'cpu'
+                   and a.dtype in (np.float16, np.float32) for a in arrays)
+        n = len(arrays)
+        entry = (list(arrays), None if not fits else (
+            (ctypes.c_void_p * n)(*[a.handle.value for a in arrays]),
+            (ctypes.c_int64 * n)(*[a.size for a in arrays]),
+            (ctypes.c_int * n)(*[int(a.dtype == np.float16) for a in arrays])))
+        cache.pop(key, None)
+        while len(cache) >= _PREPARED_KEPT:
+            del cache[next(iter(cache))]
+        cache[key] = entry
+    if entry[1] is None:
+        return None
+    handles, sizes, half = entry[1]
+    result = function(ctypes.c_int(len(arrays)), handles, sizes, half,
+                      ctypes.cast(_LIB.MXNDArrayWaitToRead, ctypes.c_void_p),
+                      ctypes.cast(_LIB.MXNDArrayGetData, ctypes.c_void_p))
+    if result < 0:
+        check_call(result)      # raises MXNet's error (e.g. one of the computing operator)
+    return bool(result)

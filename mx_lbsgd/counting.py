@@ -12,7 +12,7 @@ from . import _compat
 __all__ = ['count_host_syncs', 'count_kernel_launches']
 
 _METHODS = [(mx.nd.NDArray, 'asnumpy'), (mx.nd.NDArray, 'asscalar'),
-            (mx.nd.NDArray, 'wait_to_read')]
+            (mx.nd.NDArray, 'wait_to_read'), (_compat, 'host_all_finite')]
 
 
 @contextlib.contextmanager
@@ -20,8 +20,9 @@ def count_host_syncs(include_waitall: bool = True) -> Iterator[list[str]]:
     """Yields a list that receives the name of every host sync made inside the block
     (the outermost call only: `asscalar` calling `asnumpy` counts once).
 
-    Counted: ``NDArray.asnumpy``, ``NDArray.asscalar``, ``NDArray.wait_to_read`` and, with
-    `include_waitall`, ``mx.nd.waitall``.
+    Counted: ``NDArray.asnumpy``, ``NDArray.asscalar``, ``NDArray.wait_to_read``, the
+    package's finite check on the host (``host_all_finite``: it waits for the gradients and
+    reads them) and, with `include_waitall`, ``mx.nd.waitall``.
 
     Parameters
     ----------

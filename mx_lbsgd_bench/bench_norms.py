@@ -2,7 +2,8 @@
 the noise-scale monitor need), the package's native operator against MXNet's
 ``multi_sum_sq`` and ``norm``; and the finite check of a loss-scaled step with its one host
 read, the native ``mx_lbsgd_all_finite`` against MXNet's ``multi_all_finite`` and
-``all_finite``.
+``all_finite``, and the package's loss-scale decision (``mx_lbsgd.loss_scaling.decide``:
+with the native library the check runs on the calling thread, with no operator).
 
 ResNet-50 v1's 193 trainable tensors (25.6M parameters), float32 and float16, and for the
 finite check also the 20-tensor small model of bench_shapes (96,960 parameters); the
@@ -19,6 +20,7 @@ import numpy as np
 import mxnet as mx
 
 import mx_lbsgd
+from mx_lbsgd.loss_scaling import decide
 from mx_lbsgd_demo.args import Parser, check_output_option, number
 from .bench_shapes import SMALL_MODEL
 from .bench_step import machine, resnet50_shapes, save_json
@@ -72,6 +74,10 @@ def _finite_checks(arrays):
     if _native_functions():
         cands['native mx_lbsgd_all_finite + read'] = \
             lambda: mx.nd.mx_lbsgd_all_finite(*arrays, num_arrays=n).asnumpy()
+    # the loss-scale decision as the optimizers and the hook make it: with the native
+    # library, the check on the host thread once the arrays are written (no operator)
+    scaler = mx_lbsgd.DynamicLossScaler(init_scale=1.0, growth_interval=10 ** 9)
+    cands['mx_lbsgd decide (check + read)'] = lambda: decide(scaler, arrays, None)
     return cands
 
 

@@ -16,6 +16,14 @@ SHAPES = [(7, 5), (5,), (3, 4, 2, 2), (1,), (11,), (4, 4)]
 NAMES = ['fc0_weight', 'fc0_bias', 'conv0_weight', 'bn0_gamma', 'bn0_beta', 'fc1_weight']
 
 
+def flag_read(fused=None):
+    """The name `count_host_syncs` gives the loss-scale decision's one read: the finite
+    check on the host with the native library and fused=None (no operator call), else the
+    flag operator's asscalar."""
+    native = fused is None and mx_lbsgd.native_library() is not None
+    return 'host_all_finite' if native else 'asscalar'
+
+
 def make_problem(steps, shapes=SHAPES, seed=0, grad_scale=0.1, zero_grad=(2, 1)):
     """Initial weights and `steps` gradient sets; one all-zero gradient at `zero_grad`."""
     rng = np.random.RandomState(seed)

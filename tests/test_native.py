@@ -40,6 +40,15 @@ def test_sum_sq_equals_float64_numpy(dtype):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@needs_native
+def test_sum_sq_of_float16_is_that_of_its_float32_values_bit_for_bit():
+    # the F16C kernel adds its lanes in the order the float32 kernel does
+    xs = _arrays('float16', seed=4)
+    half = OPS.sum_sq(*[nd.array(x, dtype='float16') for x in xs], num_arrays=len(xs))
+    wide = OPS.sum_sq(*[nd.array(x.astype(np.float32)) for x in xs], num_arrays=len(xs))
+    np.testing.assert_array_equal(half.asnumpy(), wide.asnumpy())
+
+
 FINITE_CASES = [
     pytest.param(None, id='all-finite'),
     pytest.param((1, 12345, np.inf), id='inf-mid-big-tensor'),
@@ -286,8 +295,8 @@ def test_sgd_update_is_mxnets_arithmetic_bit_for_bit(preloaded, mp, momentum, cl
 @needs_native
 @pytest.mark.parametrize('args, launches', [
     pytest.param(dict(momentum=0.9), 1, id='linear-one-launch'),
-    # two sums of squares, the rates (multi_lars and its inputs), then one update
-    pytest.param(dict(momentum=0.9, lars=True), None, id='lars'),
+    # the norms, the rates and the update in the same call
+    pytest.param(dict(momentum=0.9, lars=True), 1, id='lars-one-launch'),
 ])
 def test_routed_lbsgd_is_one_native_update_and_no_host_sync(args, launches):
     rng = np.random.RandomState(0)
@@ -307,6 +316,87 @@ def test_routed_lbsgd_is_one_native_update_and_no_host_sync(args, launches):
         assert counts[1:] == [launches, launches]
     else:
         assert counts[1] == counts[2] < len(shapes) + 6
+
+
+# -- LARS inside mx_lbsgd_sgd_update: the rates of _kernels.lars_lrs, in the update's call --
+
+LARS_CASES = [
+    pytest.param(0.0, np.inf, (), id='multi_lars-alone'),
+    pytest.param(0.0, np.inf, (1, 4), id='kept-layers'),
+    # a zero gradient (2) and a zero weight (5) keep a ratio of 1 outside [0.5, 0.8]
+    pytest.param(0.5, 0.8, (), id='range-excludes-1'),
+    pytest.param(1e-3, 1e300, (0,), id='max-beyond-float32'),
+]
+
+
+def _lars_call(in_kernel, shapes, mp, momentum, nesterov, lars_min, lars_max, keep, clip_norm):
+    """One native update with LARS: its rates computed in the call (`in_kernel`), or by
+    `_kernels.lars_lrs` and handed over as the preloaded lr vector. Returns the arrays."""
+    from mx_lbsgd.families import GradNorm, KernelTrust
+    dtype = 'float16' if mp else 'float32'
+    w0, g0 = _arrays(dtype, 11, shapes), _arrays(dtype, 12, shapes)
+    g0[2 % len(shapes)][...] = 0
+    w0[5 % len(shapes)][...] = 0
+    n = len(shapes)
+    lrs, wds = [0.1 + 0.01 * i for i in range(n)], [1e-4 * (i % 3) for i in range(n)]
+    keep_lr = [i in keep for i in range(n)]
+    w = [nd.array(x, dtype=dtype) for x in w0]
+    g = [nd.array(x, dtype=dtype) for x in g0]
+    m = [nd.array(x) for x in _arrays('float32', 13, shapes, low=-0.1)]
+    w32 = [nd.array(x.astype(np.float32)) for x in w0]
+    norm = None
+    if clip_norm:
+        sum_sq = OPS.sum_sq(*g, num_arrays=n, total=1)
+        norm = GradNorm(sum_sq, factor=0.37, max_norm=clip_norm, eps=1e-6)
+    trust = KernelTrust(eta=0.02, eps=1e-9, lars_min=lars_min, lars_max=lars_max,
+                        keep_lr=keep_lr)
+    arrays = w + g + (m if momentum else []) + (w32 if mp else [])
+    attrs = dict(num_tensors=n, has_momentum=int(bool(momentum)), momentum=momentum,
+                 nesterov=int(nesterov), multi_precision=int(mp), rescale_grad=0.37,
+                 clip_gradient=-1.0, lrs=','.join(map(repr, lrs)),
+                 wds=','.join(map(repr, wds)))
+    if norm is not None:
+        attrs.update(norm.native_attrs())
+    if in_kernel:
+        attrs.update(trust.native_attrs(), preloaded=0)
+    else:
+        arrays.append(trust.rates(weights=w32 if mp else w, grads=g, lrs=lrs, wds=wds,
+                                  rescale_grad=0.37, grad_norm=norm))
+        attrs.update(preloaded=1)
+    OPS.sgd_update(*(arrays + ([norm.sum_sq] if norm is not None else [])), **attrs)
+    return [x.asnumpy() for x in w + m + w32]
+
+
+@needs_native
+@pytest.mark.parametrize('lars_min, lars_max, keep', LARS_CASES)
+@pytest.mark.parametrize('mp', [pytest.param(False, id='fp32'), pytest.param(True, id='fp16mp')])
+@pytest.mark.parametrize('momentum, nesterov', [pytest.param(0.0, False, id='nomom'),
+                                                pytest.param(0.9, False, id='mom'),
+                                                pytest.param(0.9, True, id='nag')])
+@pytest.mark.parametrize('clip_norm', [pytest.param(None, id='noclip'),
+                                       pytest.param(0.5, id='global-norm')])
+def test_lars_in_the_update_call_equals_the_rates_apart_bit_for_bit(
+        lars_min, lars_max, keep, mp, momentum, nesterov, clip_norm):
+    # SHAPES (190k elements) make one group of the in-call LARS, split across the threads
+    # as mx_lbsgd_sum_sq splits them, so even the sums agree bit for bit
+    args = (SHAPES, mp, momentum, nesterov, lars_min, lars_max, keep, clip_norm)
+    ours, apart = _lars_call(True, *args), _lars_call(False, *args)
+    for got, want in zip(ours, apart):
+        np.testing.assert_array_equal(got, want)
+    first = _arrays('float16' if mp else 'float32', 11, SHAPES)
+    assert not np.array_equal(ours[0], first[0])
+
+
+@needs_native
+@pytest.mark.parametrize('lars_min, lars_max, keep', LARS_CASES[1:3])
+def test_lars_in_the_update_call_over_several_groups(lars_min, lars_max, keep):
+    # 2.1M elements: groups of about 1M tensors' elements, the sums split differently
+    shapes = [(700001,), (3,), (650000,), (5, 2), (480000,), (1,), (300000,)]
+    args = (shapes, False, 0.9, False, lars_min, lars_max, keep, 0.5)
+    ours, apart = _lars_call(True, *args), _lars_call(False, *args)
+    for got, want in zip(ours, apart):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(ours[0], _arrays('float32', 11, shapes)[0])
 
 
 # -- mx_lbsgd_accumulate: the accumulation window's micro-batch in one call -------------

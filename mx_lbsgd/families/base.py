@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import numpy as np
 from mxnet import nd
 
-from .. import _native
+from .. import _kernels, _native
 
 #: A kernel of a family: keyword-only arguments, lists of arrays per tensor; runs
 #: asynchronously on MXNet's engine and returns nothing.
@@ -93,6 +93,62 @@ class GradNorm:
                     norm_eps=self.eps)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelTrust:
+    """A LARS trust ratio for a family's kernels to compute with the update (the
+    ``TrustRatio`` piece of `mx_lbsgd.pipeline` makes one per group of tensors)::
+
+        ratio = clip(eta * |w| / (|c * rescale_grad * g| + wd * |w| + eps), lars_min, lars_max)
+        lr' = lr * ratio, or lr where |w| == 0, |g| == 0 or keep_lr
+
+    with ``w`` the master copy when there is one and ``c`` the clip coefficient
+    (`GradNorm`). The native kernel computes it in its own pass, a group of tensors at a
+    time (`native_attrs`); MXNet's paths as a device vector first (`rates`).
+
+    Examples
+    --------
+    >>> import math
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.families import KernelTrust
+    >>> trust = KernelTrust(eta=0.001, eps=0.0, lars_min=0.0, lars_max=math.inf,
+    ...                     keep_lr=[False, True])
+    >>> rates = trust.rates(weights=[nd.array([3.0, 4.0]), nd.array([1.0])],
+    ...                     grads=[nd.array([0.3, 0.4]), nd.array([1.0])], lrs=[0.1, 0.1],
+    ...                     wds=[0.0, 0.0], rescale_grad=1.0, grad_norm=None)
+    >>> print(rates.asnumpy().round(6))           # 0.1 * 0.001 * 5 / 0.5, and a kept lr
+    [0.001 0.1  ]
+    >>> trust.native_attrs()['applies']
+    '1.0,0.0'
+    """
+
+    eta: float
+    eps: float
+    lars_min: float
+    lars_max: float
+    keep_lr: List[bool]
+
+    def rates(self, *, weights: Arrays, grads: Arrays, lrs: Floats, wds: Floats,
+              rescale_grad: float, grad_norm: Optional[GradNorm]) -> nd.NDArray:
+        """``lr'`` of every tensor, a float32 vector on the device (no host sync)."""
+        return _kernels.lars_lrs(
+            weights=weights, grads=grads, lrs=lrs, wds=wds, keep_lr=self.keep_lr,
+            eta=self.eta, eps=self.eps, rescale_grad=rescale_grad, lars_min=self.lars_min,
+            lars_max=self.lars_max,
+            grad_coefficient=None if grad_norm is None else grad_norm.coefficient())
+
+    def native_attrs(self) -> Dict[str, Union[int, float, str]]:
+        """The attributes of ``mx_lbsgd_sgd_update`` that make it compute the rates
+        (`_kernels.lars_lrs`'s arithmetic, bit for bit)."""
+        return dict(lars=1, eta=self.eta, eps=self.eps, lars_min=self.lars_min,
+                    lars_max=min(self.lars_max, _FLOAT32_MAX),
+                    lars_direct=int(_kernels.lars_direct(self.lars_min, self.lars_max,
+                                                         self.keep_lr)),
+                    applies=_native.attribute_list([0.0 if k else 1.0 for k in self.keep_lr]))
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 class KernelFamily(Protocol):
     """What the optimizer shell needs of a kernel family.
 
@@ -143,7 +199,7 @@ class KernelFamily(Protocol):
 
     def run(self, kernel: Kernel, *, weights: List[nd.NDArray], grads: List[nd.NDArray],
             states: List[FamilyState], masters: List[Optional[nd.NDArray]], lrs: List[float],
-            wds: List[float], lr_vector: Optional[nd.NDArray], rescale_grad: float,
+            wds: List[float], trust: Optional[KernelTrust], rescale_grad: float,
             clip_gradient: Optional[float], scratch: dict, steps: List[int],
             ratio_applies: Optional[List[bool]], grad_norm: Optional[GradNorm]) -> None:
         """Run `kernel` (one of this family's) on a group of tensors; with `grad_norm`, on

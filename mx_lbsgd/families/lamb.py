@@ -50,8 +50,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from mxnet import nd
 
 from .. import _kernels, _native
-from .base import (Arrays, FamilyBase, FamilyState, Floats, GradNorm, Masters, native_clip,
-                   update_kwargs)
+from .base import (Arrays, FamilyBase, FamilyState, Floats, GradNorm, KernelTrust, Masters,
+                   native_clip, update_kwargs)
 from .base import cast_down as _cast_down
 
 MAX_TENSORS_PER_KERNEL = 45    # MXNet's multi_lamb_update (MXNET_OPTIMIZER_AGGREGATION_SIZE)
@@ -226,9 +226,10 @@ class LAMBFamily(FamilyBase):
                 % ', '.join(map(repr, names)))
 
     def run(self, kernel: Callable[..., None], *, states: List[Moments], steps: List[int],
-            ratio_applies: Optional[List[bool]], lr_vector: Optional[nd.NDArray],
+            ratio_applies: Optional[List[bool]], trust: Optional[KernelTrust],  # noqa: ARG002
             grad_norm: Optional[GradNorm], **common: Any) -> None:
-        """Run `kernel`; tensors excluded from the trust ratio take the per-tensor path.
+        """Run `kernel`; tensors excluded from the trust ratio take the per-tensor path
+        (`ratio_applies`: LAMB's kernels hold the ratio, so `trust` is always None).
         With `grad_norm`, MXNet's operators get gradients scaled in place by its
         coefficient; the native kernel takes it as an input."""
         if grad_norm is not None:

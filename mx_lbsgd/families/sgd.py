@@ -41,8 +41,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from mxnet import nd
 
 from .. import _kernels, _native
-from .base import (Arrays, FamilyBase, FamilyState, Floats, GradNorm, Masters, native_clip,
-                   update_kwargs)
+from .base import (Arrays, FamilyBase, FamilyState, Floats, GradNorm, KernelTrust, Masters,
+                   native_clip, update_kwargs)
 from .base import cast_down as _cast_down
 
 
@@ -61,16 +61,20 @@ def _native_mp(weight: nd.NDArray, grad: nd.NDArray,
         weight.context.device_type == 'gpu'
 
 
-def _device_rates(weights: Arrays, lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
+def _device_rates(weights: Arrays, masters: Masters, grads: Arrays, lrs: Floats, wds: Floats,
+                  trust: Optional[KernelTrust], rescale_grad: float,
                   grad_norm: Optional[GradNorm]
                   ) -> Tuple[Optional[nd.NDArray], Optional[nd.NDArray]]:
     """(lr vector, wd vector) on the device for the preloaded kernels, or (None, None) when
-    the rates stay Python floats: the trust-ratio rates (`lr_vector`) or `lrs`, times the
-    clip coefficient c, and wds / c, so that lr * (c*g + wd*w) is what the kernel computes."""
-    if lr_vector is None and grad_norm is None:
+    the rates stay Python floats: the trust-ratio rates (`trust`, of the master copies) or
+    `lrs`, times the clip coefficient c, and wds / c, so that lr * (c*g + wd*w) is what the
+    kernel computes."""
+    if trust is None and grad_norm is None:
         return None, None
     ctx = weights[0].context
-    lr_vec = lr_vector if lr_vector is not None else _kernels.device_vector(lrs, ctx)
+    lr_vec = _kernels.device_vector(lrs, ctx) if trust is None else trust.rates(
+        weights=[w if m is None else m for w, m in zip(weights, masters)], grads=grads,
+        lrs=lrs, wds=wds, rescale_grad=rescale_grad, grad_norm=grad_norm)
     wd_vec = _kernels.device_vector(wds, ctx)
     if grad_norm is not None:
         c = grad_norm.coefficient()
@@ -99,12 +103,13 @@ def _nag_device_rates(target: nd.NDArray, g: nd.NDArray, m: nd.NDArray, lr: nd.N
 
 
 def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
-                       lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
+                       lrs: Floats, wds: Floats, trust: Optional[KernelTrust],
                        momentum: float, nesterov: bool, rescale_grad: float,
                        clip_gradient: Optional[float], scratch: dict,
                        grad_norm: Optional[GradNorm]) -> None:
     kwargs = _kernel_kwargs(momentum, rescale_grad, clip_gradient)
-    lr_vector, wd_vector = _device_rates(weights, lrs, wds, lr_vector, grad_norm)
+    lr_vector, wd_vector = _device_rates(weights, masters, grads, lrs, wds, trust,
+                                         rescale_grad, grad_norm)
     for i, (w, g, m, w32) in enumerate(zip(weights, grads, moms, masters)):
         native = _native_mp(w, g, w32)
         if w32 is not None and not native and g.dtype != w32.dtype:
@@ -137,7 +142,7 @@ def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters
 
 
 def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
-                lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray], momentum: float,
+                lrs: Floats, wds: Floats, trust: Optional[KernelTrust], momentum: float,
                 nesterov: bool, rescale_grad: float, clip_gradient: Optional[float],
                 scratch: dict, grad_norm: Optional[GradNorm]) -> None:
     """Every tensor in one call of the native ``mx_lbsgd_sgd_update``: one pass over
@@ -145,16 +150,20 @@ def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
     ``preloaded_multi_sgd_*``), float16 gradients widened on the fly (float16 weights with
     master copies take float16 or float32 gradients: an accumulated window). With
     `grad_norm` the operator computes the clip coefficient itself and writes nothing when
-    the norm is not finite."""
+    the norm is not finite. With `trust` it computes the LARS rates too, a group of
+    tensors at a time: the update reads the weights and gradients the norms have just
+    brought into the cache (one call, and about one pass fewer over memory than the norms
+    and the update apart)."""
     mp = masters[0] is not None
     with_mom = moms[0] is not None
     arrays = list(weights) + list(grads) + (list(moms) if with_mom else []) + \
-        (list(masters) if mp else []) + ([lr_vector] if lr_vector is not None else []) + \
-        ([grad_norm.sum_sq] if grad_norm is not None else [])
+        (list(masters) if mp else []) + ([grad_norm.sum_sq] if grad_norm is not None else [])
     attrs: Dict[str, Any] = {} if grad_norm is None else dict(grad_norm.native_attrs())
+    if trust is not None:
+        attrs.update(trust.native_attrs())
     attrs.update(num_tensors=len(weights), has_momentum=int(with_mom),
                  momentum=momentum if with_mom else 0.0, nesterov=int(nesterov and with_mom),
-                 multi_precision=int(mp), preloaded=int(lr_vector is not None),
+                 multi_precision=int(mp), preloaded=0,
                  lrs=_native.attribute_list(lrs), wds=_native.attribute_list(wds),
                  rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient))
     _native.invoke(_native.ops().sgd_update,  # type: ignore[union-attr]  # ops() is set
@@ -170,13 +179,13 @@ def _preloaded(mp: bool, with_mom: bool) -> Callable[..., Any]:
 
 
 def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Masters,
-                      lrs: Floats, wds: Floats, lr_vector: Optional[nd.NDArray],
+                      lrs: Floats, wds: Floats, trust: Optional[KernelTrust],
                       momentum: float, nesterov: bool, rescale_grad: float,
                       clip_gradient: Optional[float], scratch: dict,
                       grad_norm: Optional[GradNorm]) -> None:
     if nesterov and moms[0] is not None:        # MXNet has no multi-tensor NAG operator
         _single_tensor_sgd(weights=weights, grads=grads, moms=moms, masters=masters, lrs=lrs,
-                           wds=wds, lr_vector=lr_vector, momentum=momentum, nesterov=True,
+                           wds=wds, trust=trust, momentum=momentum, nesterov=True,
                            rescale_grad=rescale_grad, clip_gradient=clip_gradient,
                            scratch=scratch, grad_norm=grad_norm)
         return
@@ -187,7 +196,8 @@ def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters:
     cast_down = masters[0] is not None and not native
     targets = masters if cast_down else weights
     with_mom = moms[0] is not None
-    lr_vector, wd_vector = _device_rates(weights, lrs, wds, lr_vector, grad_norm)
+    lr_vector, wd_vector = _device_rates(weights, masters, grads, lrs, wds, trust,
+                                         rescale_grad, grad_norm)
     for start, end in _kernels.spans(weights):
         part = slice(start, end)
         columns = [targets[part], grads[part]]
@@ -274,7 +284,7 @@ class SGDFamily(FamilyBase):
 
     name = 'SGD'
     supports_sparse = True
-    trust_in_kernel = False   # LARS: the shell's trust-ratio piece gives lr_vector
+    trust_in_kernel = False   # LARS: the shell's trust-ratio piece gives `KernelTrust`
     native = staticmethod(_native_sgd)
     single_tensor = staticmethod(_single_tensor_sgd)
     multi_tensor = staticmethod(_multi_tensor_sgd)
@@ -305,7 +315,7 @@ class SGDFamily(FamilyBase):
 
     def run(self, kernel: Callable[..., None], *, states: list, steps: list,  # noqa: ARG002
             ratio_applies: Optional[list], **common: Any) -> None:
-        """Run `kernel` (LARS reaches it as `lr_vector`; SGD has no step count)."""
+        """Run `kernel` (LARS reaches it as `trust`; SGD has no step count)."""
         kernel(moms=states, momentum=self.momentum, nesterov=self.nesterov, **common)
 
     def run_sparse(self, *, states: list, lrs: Floats, **common: Any) -> None:

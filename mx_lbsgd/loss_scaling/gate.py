@@ -73,7 +73,7 @@ def refuse_kvstore_updates(owner: str) -> NoReturn:
 
 def all_finite(grads: Sequence[nd.NDArray], fused: Optional[bool]) -> bool:
     """True when every element of every gradient is finite (one host read)."""
-    return bool(_kernels.finite_flag(grads, fused).asscalar())
+    return _kernels.all_finite_now(grads, fused)
 
 
 def decide(scaler: DynamicLossScaler, grads: Sequence[nd.NDArray], fused: Optional[bool],

@@ -328,6 +328,8 @@ def all_finite(gain: Optional[LrGain], grads: Sequence[mx.nd.NDArray],
                fused: Optional[bool]) -> bool:
     """The loss-scale gate's finite check of `grads` (one host read, which also brings the
     norms of `gain`'s update when they are pending)."""
+    if gain is None or not gain.pending():
+        return _kernels.all_finite_now(grads, fused)
     return value_is_finite(gain, _kernels.finite_flag(grads, fused), flag=True)
 
 

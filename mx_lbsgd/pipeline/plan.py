@@ -146,24 +146,19 @@ def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
              wds: List[float], steps: List[int], rescale_grad: float,
              clip_gradient: Optional[float], scratch: dict,
              grad_norm: Optional[GradNorm] = None) -> None:
-    """Run every route of `plan` (and the sparse tensors one by one), with the trust ratio
-    as an lr vector on the device when the plan says so (`Plan.lars`). With `grad_norm`
+    """Run every route of `plan` (and the sparse tensors one by one), the kernels computing
+    the trust ratio with the update when the plan says so (`Plan.lars`, `KernelTrust`). With `grad_norm`
     (global-norm clipping) the gradients are applied times its coefficient: the kernels
     fold it in, and the trust ratio sees the clipped gradient."""
-    coefficient = None if grad_norm is None or not plan.lars else grad_norm.coefficient()
     for route in plan.routes:
         pos = route.positions
-        weights, grads = [weight[j] for j in pos], [grad[j] for j in pos]
         route_lrs, route_wds = [lrs[j] for j in pos], [wds[j] for j in pos]
-        lr_vector = None
-        if plan.lars:       # (only with a trust ratio: `trust` and the exclusions are set)
-            lr_vector = cast(TrustRatio, trust).lr_vector(
-                weights=[m if m is not None else w for w, m in zip(weights, route.masters)],
-                grads=grads, lrs=route_lrs, wds=route_wds,
-                keep_lr=cast(List[bool], route.keep_lr), rescale_grad=rescale_grad,
-                grad_coefficient=coefficient)
-        family.run(route.kernel, weights=weights, grads=grads, states=route.states,
-                   masters=route.masters, lrs=route_lrs, wds=route_wds, lr_vector=lr_vector,
+        # (plan.lars only with a trust ratio: `trust` and the exclusions are set)
+        terms = (cast(TrustRatio, trust).for_kernel(cast(List[bool], route.keep_lr))
+                 if plan.lars else None)
+        family.run(route.kernel, weights=[weight[j] for j in pos],
+                   grads=[grad[j] for j in pos], states=route.states,
+                   masters=route.masters, lrs=route_lrs, wds=route_wds, trust=terms,
                    rescale_grad=rescale_grad, clip_gradient=clip_gradient, scratch=scratch,
                    steps=[steps[j] for j in pos], ratio_applies=route.ratio_applies,
                    grad_norm=grad_norm)

@@ -6,9 +6,12 @@ https://arxiv.org/abs/1708.03888::
     ratio = clip(eta * |w| / (|rescale_grad * g| + wd * |w| + eps), lars_min, lars_max)
     ratio = 1 where |w| == 0 or |g| == 0, or where the layer is excluded by name
 
-It multiplies whatever the other multipliers (warmup) give: the rates reach the kernels as
-a float32 vector on the device, so the ratio costs no host sync (except for a layer with a
-row_sparse gradient, whose sparse kernel takes lr as a float).
+It multiplies whatever the other multipliers (warmup) give, and costs no host sync (except
+for a layer with a row_sparse gradient, whose sparse kernel takes lr as a float): the
+kernels get it as a `KernelTrust`. The native CPU kernel computes the norms and the update
+in one call, a group of tensors at a time, so the update reads weights and gradients the
+norms' pass has just brought into the cache; MXNet's operators get the rates as a float32
+vector on the device (``multi_sum_sq``, ``multi_lars``, then ``preloaded_multi_sgd_*``).
 
 A ratio needs the whole tensor. MXNet 1.9.1's dist kvstore splits every array of at least
 ``MXNET_KVSTORE_BIGARRAY_BOUND`` elements across its servers (``KVStoreDist``, which reads
@@ -25,6 +28,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 from mxnet import nd
 
 from .. import _kernels
+from ..families.base import KernelTrust
 
 DEFAULT_LARS_EXCLUDE = ('bias', 'gamma', 'beta')
 
@@ -99,6 +103,11 @@ class TrustRatio:
         if callable(self.exclude):
             return not self.exclude(name)
         return not name.endswith(self.exclude)
+
+    def for_kernel(self, keep_lr: List[bool]) -> KernelTrust:
+        """The ratio for a family's kernels to compute with the update, on tensors whose
+        `keep_lr` flags are given (the native kernel fuses it into its pass)."""
+        return KernelTrust(self.eta, self.eps, self.lars_min, self.lars_max, keep_lr)
 
     def lr_vector(self, *, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
                   lrs: Sequence[float], wds: Sequence[float], keep_lr: Sequence[bool],
