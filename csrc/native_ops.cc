@@ -624,8 +624,9 @@ MXReturnValue finite_forward(const Attrs&, std::vector<MXTensor>* in,
 // for each array's pending writes through MXNet's C API (the functions are handed over, as
 // the library does not link MXNet), then tests the bits as mx_lbsgd_all_finite does. An
 // engine operator followed by a read costs a push, a worker's wake-up and the host's
-// wake-up (about 0.1 ms here); this costs the waits alone. Returns 1 (finite), 0, or -1
-// when MXNet reported an error (its message is MXNet's last error).
+// wake-up (about 0.1 ms here); this costs the waits alone. Returns 1 (finite), 0, -1
+// when MXNet reported an error (its message is MXNet's last error), or -2 when an array
+// has no storage (the caller then runs the operator).
 using WaitFunction = int (*)(void*);
 using DataFunction = int (*)(void*, void**);
 
@@ -636,6 +637,7 @@ int host_all_finite(int n, void* const* handles, const int64_t* sizes, const int
   for (int i = 0; i < n; ++i) {
     void* pointer = nullptr;
     if (wait(handles[i]) != 0 || get_data(handles[i], &pointer) != 0) return -1;
+    if (pointer == nullptr && sizes[i] > 0) return -2;
     data[i] = pointer;
   }
   const Split split(size_list);

@@ -774,22 +774,13 @@ def invoke_prepared(function: Callable[..., Any], arrays: Sequence[mx.nd.NDArray
         mx.nd.NDArray(ctypes.cast(outputs[i], NDArrayHandle))
 
 
-def host_all_finite(function: Any, arrays: Sequence[mx.nd.NDArray], cache: dict
-                    ) -> Optional[bool]:
-    """Run the native library's ``mx_lbsgd_host_all_finite`` (a ctypes function) on
-    `arrays`: it waits for each array through ``MXNDArrayWaitToRead``, takes its data
-    pointer with ``MXNDArrayGetData`` and tests the bits on the calling thread. None when an
-    array is not a dense float16/float32 CPU NDArray. The handle, size and dtype arrays are
-    kept in `cache` while the call passes the same array objects as before.
-
-    Why: an engine operator followed by a host read costs two thread wake-ups (about 0.1
-    ms on this CPU; the whole loss-scaled step of a small model is 0.6 ms); the functions
-    are MXNet 1.9.1's C API (``include/mxnet/c_api.h``), handed over as pointers because
-    the library does not link MXNet."""
+def host_check_arrays(arrays: Sequence[mx.nd.NDArray], cache: dict) -> Optional[tuple]:
+    """The C arrays `host_all_finite` takes for `arrays` (handles, sizes, float16 flags),
+    kept in `cache` while the call passes the same array objects as before; None when an
+    array is not a dense float16/float32 CPU NDArray."""
     import ctypes
     import operator
     import numpy as np
-    from mxnet.base import _LIB, check_call
     key = ('host_all_finite', len(arrays), id(arrays[0]))
     entry = cache.get(key)
     if entry is None or not all(map(operator.is_, arrays, entry[0])):
@@ -804,12 +795,27 @@ def host_all_finite(function: Any, arrays: Sequence[mx.nd.NDArray], cache: dict
         while len(cache) >= _PREPARED_KEPT:
             del cache[next(iter(cache))]
         cache[key] = entry
-    if entry[1] is None:
-        return None
-    handles, sizes, half = entry[1]
-    result = function(ctypes.c_int(len(arrays)), handles, sizes, half,
+    return entry[1]
+
+
+def host_all_finite(function: Any, prepared: tuple) -> Optional[bool]:
+    """Run the native library's ``mx_lbsgd_host_all_finite`` (a ctypes function) on the
+    arrays of `prepared` (`host_check_arrays`): it waits for each array through
+    ``MXNDArrayWaitToRead``, takes its data pointer with ``MXNDArrayGetData`` and tests the
+    bits on the calling thread. None when an array has no storage.
+
+    Why: an engine operator followed by a host read costs two thread wake-ups (about 0.1
+    ms on this CPU; the whole loss-scaled step of a small model is 0.6-0.8 ms); the
+    functions are MXNet 1.9.1's C API (``include/mxnet/c_api.h``), handed over as pointers
+    because the library does not link MXNet."""
+    import ctypes
+    from mxnet.base import _LIB, check_call
+    handles, sizes, half = prepared
+    result = function(ctypes.c_int(len(sizes)), handles, sizes, half,
                       ctypes.cast(_LIB.MXNDArrayWaitToRead, ctypes.c_void_p),
                       ctypes.cast(_LIB.MXNDArrayGetData, ctypes.c_void_p))
+    if result == -2:            # an array without storage: the operator handles it
+        return None
     if result < 0:
         check_call(result)      # raises MXNet's error (e.g. one of the computing operator)
     return bool(result)

@@ -108,9 +108,11 @@ def host_all_finite(arrays: Sequence[Any], cache: dict) -> bool | None:
     array is not a dense float16/float32 CPU array (then use an operator and read its flag).
     `cache` keeps the handle arrays while the arrays stay the same objects."""
     loaded = ops()
-    if loaded is None:
+    prepared = None if loaded is None else _compat.host_check_arrays(arrays, cache)
+    if prepared is None:
         return None
-    return _compat.host_all_finite(loaded.host_all_finite, arrays, cache)
+    return _compat.host_all_finite(loaded.host_all_finite,  # type: ignore[union-attr]
+                                   prepared)
 
 
 def _library_path() -> str | None:

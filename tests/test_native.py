@@ -75,6 +75,37 @@ def test_all_finite_equals_numpy(bad, dtypes):
     want = float(all(np.isfinite(x).all() for x in xs))
     assert got.shape == (1,) and got.dtype == np.float32
     assert got.asnumpy().tolist() == [want]
+    # the same test on the calling thread: one host sync, no operator
+    arrays = [nd.array(x, dtype=x.dtype) for x in xs]
+    mx.nd.waitall()
+    with count_kernel_launches() as launches, count_host_syncs() as syncs:
+        host = mx_lbsgd._kernels.all_finite_now(arrays, None)
+    assert host is bool(want) and launches == [] and syncs == ['host_all_finite']
+
+
+@needs_native
+def test_the_host_check_waits_for_the_writes_pending_on_its_arrays():
+    grads = [nd.zeros((300, 400)) for _ in range(3)]
+    mx.nd.waitall()
+    for _ in range(3):          # keep the engine busy; the last write puts in a NaN
+        big = nd.dot(nd.ones((400, 400)), nd.ones((400, 400)))
+        grads[1] += big[:300] * 0
+    grads[1][5, 5] = np.nan
+    assert mx_lbsgd._kernels.all_finite_now(grads, None) is False
+    grads[1][5, 5] = 1.0
+    assert mx_lbsgd._kernels.all_finite_now(grads, None) is True
+
+
+@needs_native
+def test_the_host_check_leaves_other_arrays_to_the_operator():
+    dense = [nd.array(x) for x in _arrays('float32')]
+    sparse = nd.sparse.row_sparse_array(([[np.inf, 1.0]], [3]), shape=(5, 2))
+    for arrays, fused in (([*dense, sparse], None), (dense, True), (dense, False),
+                          ([nd.ones((3,), dtype='float64')], None)):
+        with count_kernel_launches() as launches, count_host_syncs() as syncs:
+            finite = mx_lbsgd._kernels.all_finite_now(arrays, fused)
+        assert launches and syncs[-1] == 'asscalar' and 'host_all_finite' not in syncs
+        assert finite is (arrays[-1] is not sparse)
 
 
 @needs_native
