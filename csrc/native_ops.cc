@@ -354,6 +354,12 @@ float tensor_block_sum_sq(MXTensor& x, int64_t a, int64_t b, float* buffer) {
 //                                           (sqrt(gs) * rescale_grad + wd * sqrt(ws) + eps)
 //   lars_direct=0:  r = clip(eta * sqrt(ws) / (same), lars_min, lars_max);  lr' = r * lr
 // and lr' = lr where ws == 0, gs == 0 or applies[i] == 0 (a layer keeps MXNet's ratio of 1).
+// a float attribute, rounded from its double value (std::stof throws on values such as
+// 1e-50 that underflow a float; MXNet's parameters of the same value become 0)
+float attr_float(const Attrs& attrs, const char* key) {
+  return static_cast<float>(std::strtod(attrs.at(key).c_str(), nullptr));
+}
+
 struct LarsHyper {
   float eta, eps, rescale, lower, upper, coefficient;
   bool direct;
@@ -385,11 +391,11 @@ MXReturnValue lars_forward(const Attrs& attrs, const SgdArrays& arrays,
   std::vector<double> applies;
   if (!parse_list("mx_lbsgd_sgd_update", attrs, "applies", n, &applies)) return MX_FAIL;
   LarsHyper lars;
-  lars.eta = std::stof(attrs.at("eta"));
-  lars.eps = std::stof(attrs.at("eps"));
-  lars.rescale = std::stof(attrs.at("rescale_grad"));
-  lars.lower = std::stof(attrs.at("lars_min"));
-  lars.upper = std::stof(attrs.at("lars_max"));
+  lars.eta = attr_float(attrs, "eta");
+  lars.eps = attr_float(attrs, "eps");
+  lars.rescale = attr_float(attrs, "rescale_grad");
+  lars.lower = attr_float(attrs, "lars_min");
+  lars.upper = attr_float(attrs, "lars_max");
   lars.direct = std::stoi(attrs.at("lars_direct")) != 0;
   lars.coefficient = coefficient;
   std::vector<size_t> bounds{0};
@@ -419,7 +425,7 @@ MXReturnValue lars_forward(const Attrs& attrs, const SgdArrays& arrays,
     float buffer[kBlock];
     for (size_t k = 0; k < splits.size(); ++k) {
       const size_t first = bounds[k];
-      splits[k].each(t, nt, [&](size_t j, int64_t a, int64_t b) {
+      splits[k].each(t, omp_get_num_threads(), [&](size_t j, int64_t a, int64_t b) {
         const size_t i = first + j;
         ws[t * n + i] += tensor_block_sum_sq(arrays.weight(i), a, b, buffer);
         gs[t * n + i] += tensor_block_sum_sq(arrays.grad(i), a, b, buffer);
@@ -433,7 +439,7 @@ MXReturnValue lars_forward(const Attrs& attrs, const SgdArrays& arrays,
                              static_cast<float>(w_sum), static_cast<float>(g_sum),
                              applies[i] != 0);
       }
-      splits[k].each(t, nt, [&](size_t j, int64_t a, int64_t b) {
+      splits[k].each(t, omp_get_num_threads(), [&](size_t j, int64_t a, int64_t b) {
         const size_t i = first + j;
         arrays.update(i, a, b, rates[i], static_cast<float>(wds[i]), buffer);
       });
@@ -522,7 +528,7 @@ MXReturnValue sgd_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 #pragma omp parallel num_threads(nt)
   {
     float buffer[kBlock];
-    split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+    split.each(omp_get_thread_num(), omp_get_num_threads(), [&](size_t i, int64_t a, int64_t b) {
       const float lr = lr_vector ? lr_vector[i] : static_cast<float>(lrs[i]);
       arrays.update(i, a, b, lr, static_cast<float>(wds[i]), buffer);
     });
@@ -569,7 +575,7 @@ MXReturnValue sum_sq_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   {
     float buffer[kBlock];
     double* mine = &part[omp_get_thread_num() * n];
-    split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+    split.each(omp_get_thread_num(), omp_get_num_threads(), [&](size_t i, int64_t a, int64_t b) {
       mine[i] += tensor_block_sum_sq((*in)[i], a, b, buffer);
     });
   }
@@ -610,7 +616,7 @@ MXReturnValue finite_forward(const Attrs&, std::vector<MXTensor>* in,
   const int nt = split.threads();
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(| : bad)
-  split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+  split.each(omp_get_thread_num(), omp_get_num_threads(), [&](size_t i, int64_t a, int64_t b) {
     MXTensor& x = (*in)[i];
     bad |= x.dtype == mxnet::ext::kFloat16
                ? block_has_nonfinite<uint16_t, 0x7C00u>(x.data<uint16_t>() + a, b - a)
@@ -624,7 +630,9 @@ MXReturnValue finite_forward(const Attrs&, std::vector<MXTensor>* in,
 // for each array's pending writes through MXNet's C API (the functions are handed over, as
 // the library does not link MXNet), then tests the bits as mx_lbsgd_all_finite does. An
 // engine operator followed by a read costs a push, a worker's wake-up and the host's
-// wake-up (about 0.1 ms here); this costs the waits alone. Returns 1 (finite), 0, -1
+// wake-up (about 0.1 ms here); this costs the waits alone. One thread (no OpenMP team on
+// the caller's thread, which a later fork could not use): the caller keeps it to arrays
+// small enough for one thread. Returns 1 (finite), 0, -1
 // when MXNet reported an error (its message is MXNet's last error), or -2 when an array
 // has no storage (the caller then runs the operator).
 using WaitFunction = int (*)(void*);
@@ -632,25 +640,18 @@ using DataFunction = int (*)(void*, void**);
 
 int host_all_finite(int n, void* const* handles, const int64_t* sizes, const int* half,
                     WaitFunction wait, DataFunction get_data) {
-  std::vector<const void*> data(n);
-  std::vector<int64_t> size_list(sizes, sizes + n);
   for (int i = 0; i < n; ++i) {
     void* pointer = nullptr;
     if (wait(handles[i]) != 0 || get_data(handles[i], &pointer) != 0) return -1;
-    if (pointer == nullptr && sizes[i] > 0) return -2;
-    data[i] = pointer;
+    if (sizes[i] == 0) continue;
+    if (pointer == nullptr) return -2;
+    const int bad = half[i] ? block_has_nonfinite<uint16_t, 0x7C00u>(
+                                  static_cast<const uint16_t*>(pointer), sizes[i])
+                            : block_has_nonfinite<uint32_t, 0x7F800000u>(
+                                  static_cast<const uint32_t*>(pointer), sizes[i]);
+    if (bad) return 0;
   }
-  const Split split(size_list);
-  const int nt = split.threads();
-  int bad = 0;
-#pragma omp parallel num_threads(nt) reduction(| : bad)
-  split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
-    bad |= half[i] ? block_has_nonfinite<uint16_t, 0x7C00u>(
-                         static_cast<const uint16_t*>(data[i]) + a, b - a)
-                   : block_has_nonfinite<uint32_t, 0x7F800000u>(
-                         static_cast<const uint32_t*>(data[i]) + a, b - a);
-  });
-  return bad ? 0 : 1;
+  return 1;
 }
 
 // ---- mx_lbsgd_lamb_update -------------------------------------------------------------
@@ -762,7 +763,7 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   {
     const int t = omp_get_thread_num();
     float buffer[kBlock];
-    split.each(t, nt, [&](size_t i, int64_t a, int64_t b) {
+    split.each(t, omp_get_num_threads(), [&](size_t i, int64_t a, int64_t b) {
       const LambTensor& p = tensors[i];
       const float* g = static_cast<const float*>(p.grad) + a;
       if (p.grad_half) {
@@ -790,7 +791,7 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
     ratios[i] = (r1 == 0.f || r2 == 0.f) ? 1.f : r1 / r2;
   }
 #pragma omp parallel num_threads(nt)
-  split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+  split.each(omp_get_thread_num(), omp_get_num_threads(), [&](size_t i, int64_t a, int64_t b) {
     const LambTensor& p = tensors[i];
     lamb_pass2(h, p, p.mean + a, p.var + a, p.w32 + a, b - a, lr_adjusted[i]);
     if (p.w16 != nullptr) narrow(p.w32 + a, p.w16 + a, b - a);
@@ -909,7 +910,7 @@ MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 #pragma omp parallel num_threads(nt) reduction(| : bad)
   {
     float buffer[kBlock];
-    split.each(omp_get_thread_num(), nt, [&](size_t i, int64_t a, int64_t b) {
+    split.each(omp_get_thread_num(), omp_get_num_threads(), [&](size_t i, int64_t a, int64_t b) {
       float* acc = (*in)[i].data<float>() + a;
       MXTensor& grad = (*in)[n + i];
       const bool half = grad.dtype == mxnet::ext::kFloat16;

@@ -46,6 +46,20 @@ def check_real(name: str, value: object, minimum: float | None = None,
     return float(value)
 
 
+#: the smallest normal and the largest finite float32
+_FLOAT32_TINY, _FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38
+
+
+def check_float32(name: str, value: float) -> float:
+    """Raise ValueError naming `name` unless `value` (a checked real number) is 0, infinite
+    or a normal float32 magnitude: MXNet's operators take such a hyperparameter as a float
+    and refuse the others when they run (``Out of range value``)."""
+    if value != 0 and not math.isinf(value) and not _FLOAT32_TINY <= abs(value) <= _FLOAT32_MAX:
+        raise ValueError('%s must be 0 or of a magnitude a float32 holds, in [%r, %r]; got %r'
+                         % (name, _FLOAT32_TINY, _FLOAT32_MAX, value))
+    return value
+
+
 def check_bool(name: str, value: object) -> bool:
     """Raise TypeError naming `name` unless `value` is True or False (not 0/1 or None)."""
     if not isinstance(value, bool):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ._checks import check_bool, check_choice, check_int, check_real
+from ._checks import check_bool, check_choice, check_float32, check_int, check_real
 from ._legacy import Ledger as _Ledger  # noqa: F401  (mx_lbsgd 0.1 files pickle this name)
 from .families import SGDFamily
 from .loss_scaling import DynamicLossScaler, as_scaler
@@ -142,6 +142,8 @@ class LBSGD(PipelineOptimizer):
         Added to the denominator (zero norms already fall back to a factor of 1).
     lars_min, lars_max : float, default 0 and inf
         Clip range of the trust ratio; open by default, like the paper and MXNet's LARS.
+        ``lars_eta``, ``lars_eps`` and ``lars_min`` are 0 or of a normal float32 magnitude
+        (MXNet's operators take them as floats and refuse the others).
     lars_exclude : None, sequence of str, or callable(name) -> bool
         Layers LARS leaves at factor 1. Default: names ending in 'bias', 'gamma' or 'beta'.
         A sequence gives name suffixes; names come from ``param_dict`` (Gluon) or
@@ -282,9 +284,10 @@ class LBSGD(PipelineOptimizer):
             raise ValueError("lars=False contradicts warmup_strategy='lars' (LARS without a "
                              "warmup); use lars=True with a warmup shape %r, or leave lars "
                              'unset' % (tuple(WARMUP_SHAPES),))
-        check_real('lars_eta', lars_eta, 0.0, open_min=True)
-        check_real('lars_eps', lars_eps, 0.0)
-        check_real('lars_min', lars_min, 0.0)
+        for name, value in (('lars_eta', check_real('lars_eta', lars_eta, 0.0, open_min=True)),
+                            ('lars_eps', check_real('lars_eps', lars_eps, 0.0)),
+                            ('lars_min', check_real('lars_min', lars_min, 0.0))):
+            check_float32(name, value)
         check_real('lars_max', lars_max, 0.0, allow_inf=True)
         if lars_min > lars_max:
             raise ValueError('lars_min must be <= lars_max; got lars_min=%r, lars_max=%r'

@@ -249,6 +249,10 @@ BAD_ARGS = [
     pytest.param(dict(lars_eps=float('nan')), ValueError, 'lars_eps', id='lars_eps-nan'),
     pytest.param(dict(lars_min=float('inf')), ValueError, 'lars_min', id='lars_min-inf'),
     pytest.param(dict(lars_max=float('nan')), ValueError, 'lars_max', id='lars_max-nan'),
+    # MXNet's multi_lars refuses a float32 underflow when it runs; refused here at creation
+    pytest.param(dict(lars_eps=1e-50), ValueError, 'lars_eps', id='lars_eps-underflow'),
+    pytest.param(dict(lars_eta=1e39), ValueError, 'lars_eta', id='lars_eta-overflow'),
+    pytest.param(dict(lars_min=1e-45), ValueError, 'lars_min', id='lars_min-subnormal'),
     pytest.param(dict(learning_rate=float('nan')), ValueError, 'learning_rate', id='lr-nan'),
     pytest.param(dict(wd=float('inf')), ValueError, 'wd', id='wd-inf'),
     pytest.param(dict(rescale_grad=float('nan')), ValueError, 'rescale_grad',

@@ -137,8 +137,10 @@ class KernelTrust:
             grad_coefficient=None if grad_norm is None else grad_norm.coefficient())
 
     def native_attrs(self) -> Dict[str, Union[int, float, str]]:
-        """The attributes of ``mx_lbsgd_sgd_update`` that make it compute the rates
-        (`_kernels.lars_lrs`'s arithmetic, bit for bit)."""
+        """The attributes of ``mx_lbsgd_sgd_update`` that make it compute the rates with
+        `_kernels.lars_lrs`'s arithmetic (the same bits while the call's tensors form one
+        group of the operator; over several groups the sums of squares are split across
+        the threads differently, so they can differ in the last bits)."""
         return dict(lars=1, eta=self.eta, eps=self.eps, lars_min=self.lars_min,
                     lars_max=min(self.lars_max, _FLOAT32_MAX),
                     lars_direct=int(_kernels.lars_direct(self.lars_min, self.lars_max,
