@@ -65,7 +65,10 @@ SMALL_MODEL = [(n, s) for i in range(10)
                for n, s in (('dense%d_weight' % i, (96, 100)), ('dense%d_bias' % i, (96,)))]
 LARS_RUNS = 3
 SGD_DEFAULT = 'mxnet SGD (default)'
-SMALL_STEPS = 10           # steps per round on the small model (each well under 1 ms idle)
+# the small model (each step well under 1 ms): SMALL_STEPS times the rounds, each of the
+# section's steps, so the candidates alternate every few steps and a drift of the machine
+# (here +-30% between runs) falls on all of them alike
+SMALL_STEPS = 10
 SGD_PER_TENSOR = 'mxnet SGD (per-tensor)'
 
 
@@ -350,7 +353,7 @@ def loss_scale(dtypes, rounds, steps, quick, seed=0):
             for c in cands[1:]:
                 for a, b in zip(c.weights(), ref):
                     np.testing.assert_allclose(a, b, err_msg=c.name, **tol)
-            interleave(cands, rounds, steps * SMALL_STEPS if model == 'small' else steps)
+            interleave(cands, rounds * SMALL_STEPS if model == 'small' else rounds, steps)
             by_name = {}
             for c in cands:
                 r = row(c, dtype=dtype, model=model,
@@ -451,7 +454,7 @@ def main(argv=None, prog=None):
     parser.add_argument('--rounds', type=number(int, 1), default=5,
                         help='interleaved rounds per measurement (sweep: 2 steps each; '
                              'resnet: 1 step, in each of the 3 LARS runs; loss-scale: 2 '
-                             'steps, 20 on the small model)')
+                             'steps, and 10x the rounds on the small model)')
     parser.add_argument('--quick', action='store_true',
                         help='float32 unless --dtypes is given; at most 2 rounds of 1 step '
                              '(resnet: 1 round, 1 LARS run); loss-scale on the small model '
@@ -486,8 +489,8 @@ def main(argv=None, prog=None):
                'argv': sys.argv[1:] if argv is None else list(argv),
                'plan': {k: {'rounds': r, 'steps_per_round': n} for k, (r, n) in plan.items()},
                'sections': {}, 'seconds': {}}
-    results['plan']['loss-scale']['steps_per_round_small_model'] = \
-        plan['loss-scale'][1] * SMALL_STEPS
+    results['plan']['loss-scale']['rounds_small_model'] = \
+        plan['loss-scale'][0] * SMALL_STEPS
     for section in [args.only] if args.only else SECTIONS:
         begin = time.perf_counter()
         rounds, steps = plan[section]
