@@ -346,6 +346,12 @@ float tensor_block_sum_sq(MXTensor& x, int64_t a, int64_t b, float* buffer) {
   return block_sum_sq(buffer, b - a);
 }
 
+// a float attribute, rounded from its double value (std::stof throws on values such as
+// 1e-50 that underflow a float; MXNet's parameters of the same value become 0)
+float attr_float(const Attrs& attrs, const char* key) {
+  return static_cast<float>(std::strtod(attrs.at(key).c_str(), nullptr));
+}
+
 // LARS (lars=1): the trust ratio computed inside the update, from the float32 sums of
 // squares ws = |w|^2 (the master copy when there is one) and gs = |g|^2 * c^2 (c: the clip
 // coefficient, 1 without has_norm), as the Python path's mx_lbsgd_sum_sq, multi_lars,
@@ -354,12 +360,6 @@ float tensor_block_sum_sq(MXTensor& x, int64_t a, int64_t b, float* buffer) {
 //                                           (sqrt(gs) * rescale_grad + wd * sqrt(ws) + eps)
 //   lars_direct=0:  r = clip(eta * sqrt(ws) / (same), lars_min, lars_max);  lr' = r * lr
 // and lr' = lr where ws == 0, gs == 0 or applies[i] == 0 (a layer keeps MXNet's ratio of 1).
-// a float attribute, rounded from its double value (std::stof throws on values such as
-// 1e-50 that underflow a float; MXNet's parameters of the same value become 0)
-float attr_float(const Attrs& attrs, const char* key) {
-  return static_cast<float>(std::strtod(attrs.at(key).c_str(), nullptr));
-}
-
 struct LarsHyper {
   float eta, eps, rescale, lower, upper, coefficient;
   bool direct;
@@ -609,6 +609,13 @@ HOT int block_has_nonfinite(const Bits* x, int64_t n) {
   return bad;
 }
 
+// the same over elements [a, b) of the float16 (`half`) or float32 values at x
+int has_nonfinite(const void* x, int64_t a, int64_t b, bool half) {
+  return half ? block_has_nonfinite<uint16_t, 0x7C00u>(static_cast<const uint16_t*>(x) + a, b - a)
+              : block_has_nonfinite<uint32_t, 0x7F800000u>(static_cast<const uint32_t*>(x) + a,
+                                                          b - a);
+}
+
 MXReturnValue finite_forward(const Attrs&, std::vector<MXTensor>* in,
                              std::vector<MXTensor>* out, const OpResource&) {
   const size_t n = in->size();
@@ -617,10 +624,8 @@ MXReturnValue finite_forward(const Attrs&, std::vector<MXTensor>* in,
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(| : bad)
   split.each(omp_get_thread_num(), omp_get_num_threads(), [&](size_t i, int64_t a, int64_t b) {
-    MXTensor& x = (*in)[i];
-    bad |= x.dtype == mxnet::ext::kFloat16
-               ? block_has_nonfinite<uint16_t, 0x7C00u>(x.data<uint16_t>() + a, b - a)
-               : block_has_nonfinite<uint32_t, 0x7F800000u>(x.data<uint32_t>() + a, b - a);
+    const MXTensor& x = (*in)[i];
+    bad |= has_nonfinite(x.data_ptr, a, b, x.dtype == mxnet::ext::kFloat16);
   });
   (*out)[0].data<float>()[0] = bad ? 0.f : 1.f;
   return MX_SUCCESS;
@@ -645,11 +650,7 @@ int host_all_finite(int n, void* const* handles, const int64_t* sizes, const int
     if (wait(handles[i]) != 0 || get_data(handles[i], &pointer) != 0) return -1;
     if (sizes[i] == 0) continue;
     if (pointer == nullptr) return -2;
-    const int bad = half[i] ? block_has_nonfinite<uint16_t, 0x7C00u>(
-                                  static_cast<const uint16_t*>(pointer), sizes[i])
-                            : block_has_nonfinite<uint32_t, 0x7F800000u>(
-                                  static_cast<const uint32_t*>(pointer), sizes[i]);
-    if (bad) return 0;
+    if (has_nonfinite(pointer, 0, sizes[i], half[i] != 0)) return 0;
   }
   return 1;
 }
@@ -914,9 +915,7 @@ MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
       float* acc = (*in)[i].data<float>() + a;
       MXTensor& grad = (*in)[n + i];
       const bool half = grad.dtype == mxnet::ext::kFloat16;
-      if (check_finite)
-        bad |= half ? block_has_nonfinite<uint16_t, 0x7C00u>(grad.data<uint16_t>() + a, b - a)
-                    : block_has_nonfinite<uint32_t, 0x7F800000u>(grad.data<uint32_t>() + a, b - a);
+      if (check_finite) bad |= has_nonfinite(grad.data_ptr, a, b, half);
       float* g = half ? buffer : grad.data<float>() + a;
       if (half) widen(grad.data<_Float16>() + a, buffer, b - a);
       if (h.mode < 2) {

@@ -733,8 +733,23 @@ def load_operator_library(path: str, names: tuple[str, ...]) -> dict[str, Callab
     return functions
 
 
-#: `invoke_prepared`'s kept input handle arrays per cache (the most recent ones)
+#: the prepared calls `_kept` keeps per cache (the most recent ones)
 _PREPARED_KEPT = 8
+
+
+def _kept(cache: dict, key: Any, arrays: Sequence[mx.nd.NDArray],
+          build: Callable[[], Any]) -> Any:
+    """``build()``, kept in `cache` under `key` while the call passes the same array
+    objects as the call that built it (the last `_PREPARED_KEPT` keys)."""
+    import operator
+    entry = cache.get(key)
+    if entry is None or not all(map(operator.is_, arrays, entry[0])):
+        entry = (list(arrays), build())
+        cache.pop(key, None)
+        while len(cache) >= _PREPARED_KEPT:        # (two threads may race: pop, not del)
+            cache.pop(next(iter(cache), None), None)
+        cache[key] = entry
+    return entry[1]
 
 
 def invoke_prepared(function: Callable[..., Any], arrays: Sequence[mx.nd.NDArray],
@@ -750,24 +765,18 @@ def invoke_prepared(function: Callable[..., Any], arrays: Sequence[mx.nd.NDArray
     MXNet 1.9.1) with the handle array kept. The kept arrays are the plan's (weights,
     gradients, states), which their owners keep alive anyway."""
     import ctypes
-    import operator
     from mxnet.base import NDArrayHandle, _LIB, c_str_array, check_call
     for hook in _INVOKE_HOOKS:
         hook(function.op_handle)  # type: ignore[attr-defined]
     key = (function.op_handle.value, len(arrays), id(arrays[0]))  # type: ignore[attr-defined]
-    entry = cache.get(key)
-    if entry is None or not all(map(operator.is_, arrays, entry[0])):
-        entry = (list(arrays), (NDArrayHandle * len(arrays))(*[a.handle for a in arrays]))
-        cache.pop(key, None)
-        while len(cache) >= _PREPARED_KEPT:        # (two threads may race: pop, not del)
-            cache.pop(next(iter(cache), None), None)
-        cache[key] = entry
+    handles = _kept(cache, key, arrays,
+                    lambda: (NDArrayHandle * len(arrays))(*[a.handle for a in arrays]))
     num_output = ctypes.c_int(0)
     outputs = ctypes.POINTER(NDArrayHandle)()
     stypes = ctypes.POINTER(ctypes.c_int)()
     check_call(_LIB.MXImperativeInvokeEx(
         ctypes.c_void_p(function.op_handle.value),  # type: ignore[attr-defined]
-        ctypes.c_int(len(arrays)), entry[1], ctypes.byref(num_output),
+        ctypes.c_int(len(arrays)), handles, ctypes.byref(num_output),
         ctypes.byref(outputs), ctypes.c_int(len(attrs)), c_str_array(list(attrs)),
         c_str_array([str(v) for v in attrs.values()]), ctypes.byref(stypes)))
     for i in range(num_output.value):     # the NDArray frees its handle when dropped
@@ -785,24 +794,18 @@ def host_check_arrays(arrays: Sequence[mx.nd.NDArray], cache: dict) -> Optional[
     array is not a dense float16/float32 CPU NDArray, or the arrays hold more than
     `_HOST_CHECK_MAX_ELEMENTS` elements."""
     import ctypes
-    import operator
     import numpy as np
-    key = ('host_all_finite', len(arrays), id(arrays[0]))
-    entry = cache.get(key)
-    if entry is None or not all(map(operator.is_, arrays, entry[0])):
-        fits = all(a.stype == 'default' and a.context.device_type == 'cpu'
-                   and a.dtype in (np.float16, np.float32) for a in arrays) and \
-            sum(a.size for a in arrays) <= _HOST_CHECK_MAX_ELEMENTS
+
+    def build() -> Optional[tuple]:
+        if not all(a.stype == 'default' and a.context.device_type == 'cpu'
+                   and a.dtype in (np.float16, np.float32) for a in arrays) or \
+                sum(a.size for a in arrays) > _HOST_CHECK_MAX_ELEMENTS:
+            return None
         n = len(arrays)
-        entry = (list(arrays), None if not fits else (
-            (ctypes.c_void_p * n)(*[a.handle.value for a in arrays]),
-            (ctypes.c_int64 * n)(*[a.size for a in arrays]),
-            (ctypes.c_int * n)(*[int(a.dtype == np.float16) for a in arrays])))
-        cache.pop(key, None)
-        while len(cache) >= _PREPARED_KEPT:        # (two threads may race: pop, not del)
-            cache.pop(next(iter(cache), None), None)
-        cache[key] = entry
-    return entry[1]
+        return ((ctypes.c_void_p * n)(*[a.handle.value for a in arrays]),
+                (ctypes.c_int64 * n)(*[a.size for a in arrays]),
+                (ctypes.c_int * n)(*[int(a.dtype == np.float16) for a in arrays]))
+    return _kept(cache, ('host_all_finite', len(arrays), id(arrays[0])), arrays, build)
 
 
 def host_all_finite(function: Any, prepared: tuple) -> Optional[bool]:

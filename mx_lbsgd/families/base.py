@@ -17,6 +17,7 @@ depend on the family. Adding a family means writing a class that satisfies `Kern
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
@@ -140,7 +141,12 @@ class KernelTrust:
         """The attributes of ``mx_lbsgd_sgd_update`` that make it compute the rates with
         `_kernels.lars_lrs`'s arithmetic (the same bits while the call's tensors form one
         group of the operator; over several groups the sums of squares are split across
-        the threads differently, so they can differ in the last bits)."""
+        the threads differently, so they can differ in the last bits). Made once: a plan
+        keeps its routes' `KernelTrust` while it lives."""
+        return self._attrs
+
+    @functools.cached_property
+    def _attrs(self) -> Dict[str, Union[int, float, str]]:
         return dict(lars=1, eta=self.eta, eps=self.eps, lars_min=self.lars_min,
                     lars_max=min(self.lars_max, _FLOAT32_MAX),
                     lars_direct=int(_kernels.lars_direct(self.lars_min, self.lars_max,

@@ -18,7 +18,8 @@ import mxnet as mx
 from mxnet import nd
 
 from .. import _kernels
-from ..families.base import GradNorm, Kernel, KernelFamily, Masters, SparseKernelFamily
+from ..families.base import (GradNorm, Kernel, KernelFamily, KernelTrust, Masters,
+                             SparseKernelFamily)
 from .state import StateParts
 from .trust_ratio import TrustRatio
 
@@ -35,6 +36,7 @@ class Route:
     keep_lr: Optional[List[bool]]          # True: the layer keeps lr (no trust ratio)
     ratio_applies: Optional[List[bool]]    # not keep_lr, for families with the ratio inside
     native: bool                           # the family's compiled kernel
+    trust: Optional[KernelTrust]           # the trust ratio the kernel computes (LARS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Plan:
     accs: List[Optional[nd.NDArray]]  # accumulators (batch_scale > 1), else None
     sparse: List[int]                 # positions run one by one by the sparse kernel
     keep_lr: Optional[List[bool]]     # trust-ratio exclusions (None: no trust ratio)
-    lars: bool                        # whether the shell computes a trust-ratio lr vector
+    lars: bool                        # whether the routes carry the trust ratio (LARS)
     routes: List[Route]
 
     @property
@@ -99,14 +101,14 @@ def make_plan(*, family: KernelFamily, trust: Optional[TrustRatio], fused: Optio
         raise ValueError(family.sparse_refusal([labels[j] for j in sparse]))
     masters = [p.master for p in parts]
     keep = None if trust is None else [not trust.applies(n) for n in names]
-    routes = [_route(kernel, pos, parts, keep, native)
+    # the trust ratio from the shell's piece (LARS), unless every layer is excluded or the
+    # family's kernels hold the ratio (LAMB)
+    lars = keep is not None and not all(keep) and not family.trust_in_kernel
+    routes = [_route(kernel, pos, parts, keep, native, trust if lars else None)
               for kernel, pos, native in _kernel_groups(family, fused, weight, masters, sparse)
               if pos]
     return Plan(state=list(state), states=[p.family_state for p in parts], masters=masters,
-                accs=[p.accumulator for p in parts], sparse=sparse, keep_lr=keep,
-                # the trust ratio as the shell's lr vector (LARS), unless every layer is
-                # excluded or the family's kernels hold the ratio (LAMB)
-                lars=keep is not None and not all(keep) and not family.trust_in_kernel,
+                accs=[p.accumulator for p in parts], sparse=sparse, keep_lr=keep, lars=lars,
                 routes=routes)
 
 
@@ -134,11 +136,12 @@ def _kernel_groups(family: KernelFamily, fused: Optional[bool],
 
 
 def _route(kernel: Kernel, pos: List[int], parts: List[StateParts],
-           keep: Optional[List[bool]], native: bool) -> Route:
+           keep: Optional[List[bool]], native: bool, trust: Optional[TrustRatio]) -> Route:
+    keep_lr = None if keep is None else [keep[j] for j in pos]
     return Route(kernel=kernel, positions=pos, states=[parts[j].family_state for j in pos],
-                 masters=[parts[j].master for j in pos], native=native,
-                 keep_lr=None if keep is None else [keep[j] for j in pos],
-                 ratio_applies=None if keep is None else [not keep[j] for j in pos])
+                 masters=[parts[j].master for j in pos], native=native, keep_lr=keep_lr,
+                 ratio_applies=None if keep is None else [not keep[j] for j in pos],
+                 trust=None if trust is None else trust.for_kernel(cast(List[bool], keep_lr)))
 
 
 def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
@@ -147,18 +150,15 @@ def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
              clip_gradient: Optional[float], scratch: dict,
              grad_norm: Optional[GradNorm] = None) -> None:
     """Run every route of `plan` (and the sparse tensors one by one), the kernels computing
-    the trust ratio with the update when the plan says so (`Plan.lars`, `KernelTrust`). With `grad_norm`
-    (global-norm clipping) the gradients are applied times its coefficient: the kernels
-    fold it in, and the trust ratio sees the clipped gradient."""
+    the trust ratio with the update where the route has one (`Route.trust`). With
+    `grad_norm` (global-norm clipping) the gradients are applied times its coefficient:
+    the kernels fold it in, and the trust ratio sees the clipped gradient."""
     for route in plan.routes:
         pos = route.positions
         route_lrs, route_wds = [lrs[j] for j in pos], [wds[j] for j in pos]
-        # (plan.lars only with a trust ratio: `trust` and the exclusions are set)
-        terms = (cast(TrustRatio, trust).for_kernel(cast(List[bool], route.keep_lr))
-                 if plan.lars else None)
         family.run(route.kernel, weights=[weight[j] for j in pos],
                    grads=[grad[j] for j in pos], states=route.states,
-                   masters=route.masters, lrs=route_lrs, wds=route_wds, trust=terms,
+                   masters=route.masters, lrs=route_lrs, wds=route_wds, trust=route.trust,
                    rescale_grad=rescale_grad, clip_gradient=clip_gradient, scratch=scratch,
                    steps=[steps[j] for j in pos], ratio_applies=route.ratio_applies,
                    grad_norm=grad_norm)
