@@ -106,7 +106,9 @@ def sum_squares(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
     if arrays[0].context.device_type == 'cpu' and (ops := _native.ops()) is not None \
             and np.dtype(arrays[0].dtype).name in ('float32', 'float16'):
         # one call, at the memory bandwidth; MXNet's multi_sum_sq reads at a third of it
-        return ops.sum_sq(*arrays, num_arrays=len(arrays))
+        return _native.call(ops.sum_sq, arrays,
+                            nd.empty((len(arrays),), ctx=arrays[0].context),
+                            num_arrays=len(arrays))
     if arrays[0].context.device_type != 'gpu' and arrays[0].dtype == np.float16:
         arrays = [a.astype(np.float32) for a in arrays]
     parts = [nd.multi_sum_sq(*chunk, num_arrays=len(chunk)) for chunk in chunks(arrays)]
@@ -116,24 +118,69 @@ def sum_squares(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
 def total_sum_squares(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
     """The sum of the squares of every element of `arrays` (one context; any float dtypes;
     row_sparse and csr arrays by their stored values), a float32 (1,) array on the device.
-    On CPU with the native operators one call over the float32 and float16 arrays."""
+    On CPU with the native operators one call over the float32 and float16 arrays. The
+    grouping is computed once per tuple of dense arrays (a Trainer hands the same gradient
+    arrays every step)."""
+    ctx, mine, groups = _planned(_SUM_SQ_PLANS, arrays, lambda: _sum_sq_plan(arrays))
+    parts: List[nd.NDArray] = []
+    if mine:
+        parts.append(_native.call(_native.ops().sum_sq,  # type: ignore[union-attr]  # (set)
+                                  mine, nd.empty((1,), ctx=ctx), num_arrays=len(mine), total=1))
+    for group in groups:
+        parts.append(nd.sum(sum_squares(group), keepdims=True).reshape((1,)))
+    if not parts:
+        return nd.zeros((1,), ctx=ctx, dtype=np.float32)
+    return parts[0] if len(parts) == 1 else nd.add_n(*parts)
+
+
+#: `total_sum_squares`'s plans: {ids of the arrays: (those arrays, plan)}
+_SUM_SQ_PLANS: Dict[Tuple[int, ...], Tuple[List[nd.NDArray], Any]] = {}
+
+
+def _sum_sq_plan(arrays: Sequence[nd.NDArray]
+                 ) -> Tuple[Any, List[nd.NDArray], List[List[nd.NDArray]]]:
+    """(context, the arrays of the native call, the other non-empty arrays by dtype); a
+    sparse array by its stored values."""
     values = [a.data if a.stype != 'default' else a for a in arrays]
     ctx = values[0].context
-    parts: List[nd.NDArray] = []
-    ops = _native.ops() if ctx.device_type == 'cpu' else None
-    mine = [a for a in values if ops is not None and a.dtype in _NATIVE_DTYPES and a.size]
-    if mine:
-        parts.append(ops.sum_sq(*mine, num_arrays=len(mine), total=1))  # type: ignore[union-attr]
+    native = ctx.device_type == 'cpu' and _native.ops() is not None
+    mine = [a for a in values if native and a.dtype in _NATIVE_DTYPES and a.size]
     by_dtype: Dict[Any, List[nd.NDArray]] = {}
     taken = {id(m) for m in mine}
     for a in values:
         if a.size and id(a) not in taken:
             by_dtype.setdefault(a.dtype, []).append(a)
-    for group in by_dtype.values():
-        parts.append(nd.sum(sum_squares(group), keepdims=True).reshape((1,)))
-    if not parts:
-        return nd.zeros((1,), ctx=ctx, dtype=np.float32)
-    return parts[0] if len(parts) == 1 else nd.add_n(*parts)
+    return ctx, mine, list(by_dtype.values())
+
+
+def by_context(arrays: Sequence[nd.NDArray]) -> List[Tuple[Any, List[nd.NDArray]]]:
+    """[(context, the arrays on it)], in order of first appearance; computed once per
+    tuple of arrays."""
+    def make() -> List[Tuple[Any, List[nd.NDArray]]]:
+        groups: Dict[Any, List[nd.NDArray]] = {}
+        for a in arrays:
+            groups.setdefault(a.context, []).append(a)
+        return list(groups.items())
+    return _planned(_CONTEXT_PLANS, arrays, make)
+
+
+_CONTEXT_PLANS: Dict[Tuple[int, ...], Tuple[List[nd.NDArray], Any]] = {}
+
+
+def _planned(cache: Dict[Tuple[int, ...], Tuple[List[nd.NDArray], Any]],
+             arrays: Sequence[nd.NDArray], make: Callable[[], _T]) -> _T:
+    """``make()``, kept in `cache` while a call passes the same (dense) array objects; the
+    plan of arrays with a sparse one is made every time (its stored values change)."""
+    key = tuple(id(a) for a in arrays)
+    entry = cache.get(key)
+    if entry is not None and all(a is b for a, b in zip(entry[0], arrays)):
+        return entry[1]
+    plan = make()
+    if all(a.stype == 'default' for a in arrays):
+        cache[key] = (list(arrays), plan)
+        if len(cache) > 64:                   # bound the cache (changing gradient sets)
+            cache.pop(next(iter(cache)), None)
+    return plan
 
 
 def scale_gradients(grads: Sequence[nd.NDArray], coefficient: nd.NDArray) -> List[nd.NDArray]:
@@ -284,11 +331,12 @@ def _native_window_call(accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
         if len(_WINDOW_PLANS) > 64:          # bound the cache (changing gradient sets)
             _WINDOW_PLANS.pop(next(iter(_WINDOW_PLANS)))
     groups, rest = plan[1]
-    call = ops.accumulate
     flags = []
     for group_accs, group_grads in groups:
-        out = call(*group_accs, *group_grads, num_tensors=len(group_accs), mode=mode,
-                   check_finite=int(bool(check_finite)), **attrs)
+        out = _native.call(ops.accumulate, group_accs + group_grads,
+                           nd.empty((1,), ctx=group_accs[0].context),
+                           num_tensors=len(group_accs), mode=mode,
+                           check_finite=int(bool(check_finite)), **attrs)
         if check_finite:
             flags.append(out)
     return rest, flags
@@ -341,8 +389,8 @@ def _check_many(arrays: Sequence[nd.NDArray], flag: nd.NDArray, first: bool) -> 
 
 def _check_native(arrays: Sequence[nd.NDArray], flag: nd.NDArray, first: bool) -> None:
     # writes the whole flag (no AND with an earlier value), so it is planned first
-    _native.ops().all_finite(  # type: ignore[union-attr]  # planned only when ops() is set
-        *arrays, num_arrays=len(arrays), out=flag)
+    _native.call(_native.ops().all_finite,  # type: ignore[union-attr]  # planned when set
+                 arrays, flag, num_arrays=len(arrays))
 
 
 def finite_flag(arrays: Sequence[nd.NDArray], fused: Optional[bool]) -> nd.NDArray:

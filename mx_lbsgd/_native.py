@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 from . import _compat
 
@@ -37,7 +37,10 @@ class _Ops:
         import ctypes
         functions = _compat.load_operator_library(path, _OPERATORS)
         self.path = path
-        self.host_all_finite = ctypes.CDLL(path).mx_lbsgd_host_all_finite
+        library = self.library = ctypes.CDLL(path)
+        self.host_all_finite = library.mx_lbsgd_host_all_finite
+        #: operator -> its number for the library's ``mx_lbsgd_push`` (`call`, `invoke`)
+        self.pushed = {functions[name]: k for k, name in enumerate(_OPERATORS)}
         self.sum_sq = functions['mx_lbsgd_sum_sq']
         self.all_finite = functions['mx_lbsgd_all_finite']
         self.sgd_update = functions['mx_lbsgd_sgd_update']
@@ -93,12 +96,35 @@ _ATTRIBUTES_KEPT = 16
 
 
 def invoke(function: Callable[..., Any], arrays: Sequence[Any], attrs: dict,
-           scratch: dict) -> None:
-    """Call `function` (an operator of `ops`) on `arrays` with `attrs`, its input handle
-    array kept in `scratch` while the arrays stay the same objects
-    (`mx_lbsgd._compat.invoke_prepared`)."""
-    _compat.invoke_prepared(function, arrays, attrs,
-                            scratch.setdefault('native_calls', {}))
+           scratch: dict, loose: Sequence[Any] = ()) -> None:
+    """Call `function` (an operator of `ops`) on `arrays` then `loose` with `attrs`,
+    dropping its output: pushed to MXNet's engine directly where the library can
+    (`mx_lbsgd._compat.push_prepared`), else through MXNet's imperative call
+    (`mx_lbsgd._compat.invoke_prepared`). What is prepared for `arrays` is kept in
+    `scratch` while the calls pass the same array objects; `loose` are inputs new at every
+    call (a norm)."""
+    cache = scratch.setdefault('native_calls', {})
+    loaded = cast(_Ops, ops())
+    if not _compat.push_prepared(loaded.library, loaded.pushed[function], function, arrays,
+                                 attrs, cache, loose=loose):
+        _compat.invoke_prepared(function, list(arrays) + list(loose), attrs, cache)
+
+
+def call(function: Callable[..., Any], arrays: Sequence[Any], out: Any,
+         **attrs: Any) -> Any:
+    """`function` (an operator of `ops`) on `arrays` with `attrs`, written into `out` (a
+    float32 NDArray of its output's shape), which it returns: pushed to MXNet's engine
+    directly where the library can (`mx_lbsgd._compat.push_prepared`; the inputs' prepared
+    copies kept while calls pass the same array objects), else MXNet's imperative call."""
+    loaded = cast(_Ops, ops())
+    if not _compat.push_prepared(loaded.library, loaded.pushed[function], function, arrays,
+                                 attrs, _CALLS, outputs=[out]):
+        function(*arrays, out=out, **attrs)
+    return out
+
+
+#: `call`'s prepared inputs (the most recent few; `mx_lbsgd._compat._kept`)
+_CALLS: dict = {}
 
 
 def host_all_finite(arrays: Sequence[Any], cache: dict) -> bool | None:

@@ -140,16 +140,22 @@ def _lamb_problem(dtype, seed):
     return weights, grads, means, variances
 
 
-def _lamb_call(case, mp, weights, grads, means, variances, masters):
+def _lamb_args(case, mp, weights, grads, means, variances, masters):
+    """(arrays, attrs) of one mx_lbsgd_lamb_update call."""
     n = len(weights)
     lo, hi = case['bounds']
     arrays = weights + grads + means + variances + (masters if mp else [])
-    return OPS.lamb_update(
-        *arrays, num_tensors=n, multi_precision=int(mp), lrs='0.01,0.02,0.03,0.04,0.05,0.06',
+    return arrays, dict(
+        num_tensors=n, multi_precision=int(mp), lrs='0.01,0.02,0.03,0.04,0.05,0.06',
         wds='0,0.1,0.01,0.001,0.2,0.3', steps='1,5,3,10,2,7',
         applies=','.join(map(str, case['applies'])), beta1=0.9, beta2=0.999, epsilon=1e-6,
         bias_correction=int(case['bias_correction']), rescale_grad=case['rescale'],
         clip_gradient=case['clip'] or -1, lower_bound=lo or -1, upper_bound=hi or -1)
+
+
+def _lamb_call(case, mp, weights, grads, means, variances, masters):
+    arrays, attrs = _lamb_args(case, mp, weights, grads, means, variances, masters)
+    return OPS.lamb_update(*arrays, **attrs)
 
 
 @needs_native
@@ -433,6 +439,249 @@ def test_lars_in_the_update_call_over_several_groups(lars_min, lars_max, keep):
     for got, want in zip(ours, apart):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert not np.allclose(ours[0], _arrays('float32', 11, shapes)[0])
+
+
+# -- mx_lbsgd_sgd_update pushed to MXNet's engine directly (_native.invoke) ---------------
+
+def _sgd_call(mp, momentum, nesterov, lars, preloaded, norm, shapes=SHAPES, seed=20):
+    """(arrays, attrs) of one mx_lbsgd_sgd_update call, fresh arrays each time."""
+    from mx_lbsgd.families import GradNorm, KernelTrust
+    dtype = 'float16' if mp else 'float32'
+    n = len(shapes)
+    w = [nd.array(x, dtype=dtype) for x in _arrays(dtype, seed, shapes)]
+    g = [nd.array(x, dtype=dtype) for x in _arrays(dtype, seed + 1, shapes)]
+    m = [nd.array(x) for x in _arrays('float32', seed + 2, shapes, low=-0.1)]
+    w32 = [nd.array(x.astype(np.float32)) for x in _arrays(dtype, seed, shapes)]
+    lrs, wds = [0.1 + 0.01 * i for i in range(n)], [1e-4 * (i % 3) for i in range(n)]
+    arrays = w + g + (m if momentum else []) + (w32 if mp else [])
+    attrs = dict(num_tensors=n, has_momentum=int(bool(momentum)), momentum=momentum,
+                 nesterov=int(nesterov), multi_precision=int(mp), rescale_grad=0.37,
+                 clip_gradient=0.5 if preloaded else -1.0, lrs=','.join(map(repr, lrs)),
+                 wds=','.join(map(repr, wds)), preloaded=int(preloaded))
+    if preloaded:
+        arrays.append(nd.array([0.2 + 0.03 * i for i in range(n)]))
+    if lars:
+        attrs.update(KernelTrust(eta=0.02, eps=1e-9, lars_min=0.0, lars_max=np.inf,
+                                 keep_lr=[i == 1 for i in range(n)]).native_attrs())
+    if norm:
+        grad_norm = GradNorm(OPS.sum_sq(*g, num_arrays=n, total=1), factor=0.37,
+                             max_norm=0.5, eps=1e-6)
+        attrs.update(grad_norm.native_attrs())
+        arrays.append(grad_norm.sum_sq)
+    return arrays, attrs
+
+
+PUSH_CASES = [
+    pytest.param(False, 0.0, False, False, False, False, id='fp32-nomom'),
+    pytest.param(True, 0.9, False, False, False, False, id='fp16mp-mom'),
+    pytest.param(False, 0.9, True, False, False, True, id='fp32-nag-global-norm'),
+    pytest.param(True, 0.9, False, True, False, True, id='fp16mp-lars-global-norm'),
+    pytest.param(False, 0.9, False, False, True, False, id='fp32-lr-vector-clip'),
+]
+
+
+@needs_native
+@pytest.mark.parametrize('mp, momentum, nesterov, lars, preloaded, norm', PUSH_CASES)
+def test_the_pushed_update_is_the_operators_bits(mp, momentum, nesterov, lars, preloaded,
+                                                 norm):
+    from mx_lbsgd import _compat
+    case = (mp, momentum, nesterov, lars, preloaded, norm)
+    pushed, attrs = _sgd_call(*case)
+    cache = {}
+    held, loose = (pushed[:-1], pushed[-1:]) if norm else (pushed, [])   # (the norm: new
+    assert _compat.push_prepared(OPS.library, OPS.pushed[OPS.sgd_update],  # at each step)
+                                 OPS.sgd_update, held, attrs, cache, loose=loose)
+    called, attrs = _sgd_call(*case)
+    OPS.sgd_update(*called, **attrs)
+    for got, want in zip(pushed, called):
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+    assert not np.array_equal(pushed[0].asnumpy(), _sgd_call(*case)[0][0].asnumpy())
+
+
+@needs_native
+def test_a_new_norm_each_step_keeps_the_held_arrays():
+    """The clipping norm is a new array at every step: it is copied per call, and the
+    copies of the other arrays, made once, stay."""
+    arrays, attrs = _sgd_call(False, 0.9, False, False, False, True)
+    held, norm = arrays[:-1], arrays[-1]
+    scratch = {}
+    kept = []
+    for step in range(3):
+        fresh = norm.copy()
+        _native.invoke(OPS.sgd_update, held, attrs, scratch, loose=[fresh])
+        kept.append([entry[1][0] for entry in scratch['native_calls'].values()])
+    assert len(kept[0]) == 1 and kept[0] == kept[1] == kept[2]
+    want, _ = _sgd_call(False, 0.9, False, False, False, True)
+    for _ in range(3):
+        OPS.sgd_update(*want, **attrs)
+    for got, expected in zip(held, want):
+        np.testing.assert_array_equal(got.asnumpy(), expected.asnumpy())
+
+
+@needs_native
+def test_the_pushed_update_waits_for_its_inputs_and_its_readers_wait_for_it():
+    """The gradients are written by a slow operation still running when the update is
+    pushed; the update must read them after it, and the weights' reader after the update."""
+    arrays, attrs = _sgd_call(False, 0.9, False, False, False, False)
+    n = len(SHAPES)
+    targets = _arrays('float32', 40)
+    # (made first: nd.array waits for the engine's worker, which the slow product occupies)
+    sources = [nd.array(t) for t in targets]
+    big = nd.array(np.random.RandomState(0).uniform(-1, 1, (1200, 1200)))
+    mx.nd.waitall()
+    slow = nd.dot(nd.dot(big, big), big)          # ~0.1 s of work ahead of the gradients
+    for g, source in zip(arrays[n:2 * n], sources):
+        nd.broadcast_add(nd.zeros_like(g) * slow[0, 0], source, out=g)
+    cache = {}
+    _native.invoke(OPS.sgd_update, arrays, attrs, {'native_calls': cache})
+    assert any(key[0] == 'push' for key in cache)
+    got = [a.asnumpy() for a in arrays]
+    want, attrs = _sgd_call(False, 0.9, False, False, False, False)
+    for g, t in zip(want[n:2 * n], targets):
+        g[:] = t
+    OPS.sgd_update(*want, **attrs)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b.asnumpy())
+
+
+@needs_native
+def test_the_pushed_update_holds_its_arrays_until_it_ran():
+    """The caller drops the gradients and the kept call right after the push, while the
+    update still waits for a slow writer of the gradients: the update reads them all the
+    same (the library holds its own references)."""
+    n = len(SHAPES)
+    arrays, attrs = _sgd_call(False, 0.9, False, False, False, False)
+    want, _ = _sgd_call(False, 0.9, False, False, False, False)
+    OPS.sgd_update(*want, **attrs)
+    fresh = [nd.array(x) for x in _arrays('float32', 21)]     # the values _sgd_call gave
+    big = nd.array(np.random.RandomState(0).uniform(-1, 1, (1200, 1200)))
+    mx.nd.waitall()
+    slow = nd.dot(nd.dot(big, big), big)
+    grads = arrays[n:2 * n]
+    for g, f in zip(grads, fresh):
+        nd.broadcast_add(nd.zeros_like(g) * slow[0, 0], f, out=g)
+    weights, moms = arrays[:n], arrays[2 * n:]
+    cache = {}
+    _native.invoke(OPS.sgd_update, arrays, attrs, {'native_calls': cache})
+    assert any(key[0] == 'push' for key in cache)
+    del arrays, grads, fresh, g
+    cache.clear()
+    for got, expected in zip(weights + moms, want[:n] + want[2 * n:]):
+        np.testing.assert_array_equal(got.asnumpy(), expected.asnumpy())
+
+
+@needs_native
+def test_arrays_sharing_storage_go_through_mxnets_call():
+    """Weights that are views of one buffer share one engine variable: pushed as they are,
+    the engine would wait forever; they take MXNet's call, which removes duplicates."""
+    from mx_lbsgd import _compat
+    sizes = [int(np.prod(s)) for s in SHAPES]
+    n = len(SHAPES)
+    arrays, attrs = _sgd_call(False, 0.9, False, False, False, False)
+    flat = nd.concat(*[a.reshape((-1,)) for a in arrays[:n]], dim=0)
+    starts = np.cumsum([0] + sizes)
+    views = [flat[int(a):int(b)].reshape(s) for a, b, s in zip(starts, starts[1:], SHAPES)]
+    shared = views + arrays[n:]
+    assert not _compat.push_prepared(OPS.library, OPS.pushed[OPS.sgd_update],
+                                     OPS.sgd_update, shared, attrs, {})
+    _native.invoke(OPS.sgd_update, shared, attrs, {})
+    want, _ = _sgd_call(False, 0.9, False, False, False, False)
+    OPS.sgd_update(*want, **attrs)
+    for view, expected in zip(views, want[:n]):
+        np.testing.assert_array_equal(view.asnumpy(), expected.asnumpy())
+
+
+@needs_native
+def test_a_bad_pushed_call_raises_before_anything_runs():
+    """Also after good calls on the same arrays, whose checks the library keeps."""
+    arrays, attrs = _sgd_call(False, 0.9, False, False, False, False)
+    scratch = {}
+    _native.invoke(OPS.sgd_update, arrays, attrs, scratch)
+    assert any(key[0] == 'push' for key in scratch['native_calls'])
+    before = [a.asnumpy() for a in arrays]
+    with pytest.raises(mx.MXNetError, match='mx_lbsgd_sgd_update: lrs needs 6 values, got 2'):
+        _native.invoke(OPS.sgd_update, arrays, dict(attrs, lrs='0.1,0.2'), scratch)
+    with pytest.raises(mx.MXNetError, match='mx_lbsgd_sgd_update: expected 24 arrays, got 18'):
+        _native.invoke(OPS.sgd_update, arrays, dict(attrs, multi_precision=1), scratch)
+    with pytest.raises(mx.MXNetError, match='array 0 must be float16'):
+        _native.invoke(OPS.sgd_update, arrays[:18], dict(attrs, multi_precision=1,
+                                                        has_momentum=0), scratch)
+    with pytest.raises(mx.MXNetError, match='array 6 must be float32'):
+        _native.invoke(OPS.sgd_update, arrays[:6] + [a.astype('float16') for a in arrays[6:]],
+                       attrs, scratch)
+    for a, b in zip(arrays, before):
+        np.testing.assert_array_equal(a.asnumpy(), b)
+
+
+def _operator_call(name, seed):
+    """(function, inputs, attrs, output shape) of one call of a native operator with an
+    output that is read, on fresh arrays: float32 and float16 inputs, an inf in one."""
+    mixed = [nd.array(x, dtype=d) for x, d in
+             zip(_arrays('float32', seed), ['float32', 'float16'] * 3)]
+    n = len(mixed)
+    if name == 'accumulate':
+        accs = [nd.array(x) for x in _arrays('float32', seed + 1)]
+        mixed[3][0, 0] = np.inf
+        return (OPS.accumulate, accs + mixed,
+                dict(num_tensors=n, mode=1, check_finite=1, factor=0.37), (1,))
+    if name == 'all_finite':
+        mixed[4][7, 9] = np.nan
+        return OPS.all_finite, mixed, dict(num_arrays=n), (1,)
+    total = name == 'sum_sq_total'
+    return OPS.sum_sq, mixed, dict(num_arrays=n, total=int(total)), ((1,) if total else (n,))
+
+
+@needs_native
+@pytest.mark.parametrize('name', ['sum_sq', 'sum_sq_total', 'all_finite', 'accumulate'])
+def test_a_pushed_operator_writes_what_the_operator_writes(name):
+    from mx_lbsgd import _compat
+    function, arrays, attrs, shape = _operator_call(name, 30)
+    out = nd.zeros(shape) - 1
+    assert _compat.push_prepared(OPS.library, OPS.pushed[function], function, arrays, attrs,
+                                 {}, outputs=[out])
+    _, called, attrs = _operator_call(name, 30)[:3]
+    want = function(*called, **attrs)
+    np.testing.assert_array_equal(out.asnumpy(), want.asnumpy())
+    for got, expected in zip(arrays, called):
+        np.testing.assert_array_equal(got.asnumpy(), expected.asnumpy())
+    if name == 'accumulate':
+        assert out.asnumpy()[0] == 0.0           # the inf of gradient 3
+        assert not np.array_equal(arrays[0].asnumpy(), _arrays('float32', 31)[0])
+
+
+@needs_native
+@pytest.mark.parametrize('mp', [pytest.param(False, id='fp32'), pytest.param(True, id='fp16mp')])
+def test_the_pushed_lamb_update_is_the_operators_bits(mp):
+    from mx_lbsgd import _compat
+    dtype = 'float16' if mp else 'float32'
+    case = dict(bounds=(None, None), applies=[1, 0, 1, 1, 1, 1], bias_correction=True,
+                rescale=0.5, clip=None)
+
+    def problem():
+        w, g, m, v = _lamb_problem(dtype, seed=5)
+        return ([nd.array(x, dtype=dtype) for x in w], [nd.array(x, dtype=dtype) for x in g],
+                [nd.array(x) for x in m], [nd.array(x) for x in v],
+                [nd.array(x.astype(np.float32)) for x in w])
+    called = problem()
+    _lamb_call(case, mp, *called)
+    pushed = problem()
+    arrays, attrs = _lamb_args(case, mp, *pushed)
+    assert _compat.push_prepared(OPS.library, OPS.pushed[OPS.lamb_update], OPS.lamb_update,
+                                 arrays, attrs, {})
+    for got, want in zip(sum(pushed, []), sum(called, [])):
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+    assert not np.array_equal(pushed[0][0].asnumpy(), problem()[0][0].asnumpy())
+
+
+@needs_native
+def test_an_output_sharing_an_inputs_storage_goes_through_mxnets_call():
+    from mx_lbsgd import _compat
+    function, arrays, attrs, shape = _operator_call('sum_sq', 30)
+    assert not _compat.push_prepared(OPS.library, OPS.pushed[function], function, arrays,
+                                     attrs, {}, outputs=[arrays[0].reshape((-1,))[:6]])
+    out = nd.zeros(shape)
+    assert _native.call(function, arrays, out, **attrs) is out
+    np.testing.assert_array_equal(out.asnumpy(), function(*arrays, **attrs).asnumpy())
 
 
 # -- mx_lbsgd_accumulate: the accumulation window's micro-batch in one call -------------

@@ -103,8 +103,7 @@ def _native_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments], maste
     nothing)."""
     mp = masters[0] is not None
     arrays = (list(weights) + list(grads) + [s[0] for s in states] + [s[1] for s in states]
-              + (list(masters) if mp else [])
-              + ([grad_norm.sum_sq] if grad_norm is not None else []))
+              + (list(masters) if mp else []))
     attrs: Dict[str, Any] = {} if grad_norm is None else dict(grad_norm.native_attrs())
     applies = [1] * len(weights) if ratio_applies is None else [int(a) for a in ratio_applies]
     numbers = _native.attribute_list
@@ -116,7 +115,8 @@ def _native_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments], maste
                  lower_bound=bounds.get('lower_bound', -1.0),
                  upper_bound=bounds.get('upper_bound', -1.0))
     _native.invoke(_native.ops().lamb_update,  # type: ignore[union-attr]  # ops() is set
-                   arrays, attrs, scratch)
+                   arrays, attrs, scratch,
+                   loose=[grad_norm.sum_sq] if grad_norm is not None else [])
 
 
 def _multi_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments],

@@ -157,7 +157,7 @@ def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
     mp = masters[0] is not None
     with_mom = moms[0] is not None
     arrays = list(weights) + list(grads) + (list(moms) if with_mom else []) + \
-        (list(masters) if mp else []) + ([grad_norm.sum_sq] if grad_norm is not None else [])
+        (list(masters) if mp else [])
     attrs: Dict[str, Any] = {} if grad_norm is None else dict(grad_norm.native_attrs())
     if trust is not None:
         attrs.update(trust.native_attrs())
@@ -167,7 +167,8 @@ def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
                  lrs=_native.attribute_list(lrs), wds=_native.attribute_list(wds),
                  rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient))
     _native.invoke(_native.ops().sgd_update,  # type: ignore[union-attr]  # ops() is set
-                   arrays, attrs, scratch)
+                   arrays, attrs, scratch,
+                   loose=[grad_norm.sum_sq] if grad_norm is not None else [])
 
 
 

@@ -99,11 +99,8 @@ class GlobalNormClip:
     def measure(self, grads: Sequence[nd.NDArray], factor: float) -> StepNorms:
         """The norm of `grads` times `factor`, per context (each device holds every
         parameter's reduced gradient), on the device."""
-        by_context: Dict[Any, list] = {}
-        for g in grads:
-            by_context.setdefault(g.context, []).append(g)
         return {ctx: GradNorm(_kernels.total_sum_squares(group), factor, self.max_norm,
-                              self.eps) for ctx, group in by_context.items()}
+                              self.eps) for ctx, group in _kernels.by_context(grads)}
 
     def from_sum(self, sum_sq: nd.NDArray, factor: float) -> StepNorms:
         """The norm of a sum of squares measured elsewhere (a sharded Trainer's, summed over

@@ -330,7 +330,8 @@ def sum_squares(arrays: Sequence[mx.nd.NDArray]) -> mx.nd.NDArray:
     dtypes = sorted({np.dtype(a.dtype).name for a in arrays})
     if ops is not None and arrays[0].context.device_type == 'cpu' \
             and set(dtypes) <= {'float32', 'float16'}:
-        return ops.sum_sq(*arrays, num_arrays=len(arrays), total=1)
+        return _native.call(ops.sum_sq, arrays, nd.empty((1,), ctx=arrays[0].context),
+                            num_arrays=len(arrays), total=1)
     parts = [_kernels.sum_squares([a for a in arrays if np.dtype(a.dtype).name == d]).sum()
              for d in dtypes]
     return nd.add_n(*parts) if len(parts) > 1 else parts[0]
