@@ -46,6 +46,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <memory>
@@ -980,16 +981,24 @@ MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 // it runs (after the arrays' pending writes, as MXNet's operators read theirs). The caller
 // passes every array's engine variable once (MXNet's call removes duplicates; the engine
 // waits forever on an operation that writes one variable twice).
+// Every array is declared written: an array that oneDNN keeps in a layout of its own (a
+// weight after a forward pass in predict mode) is put back into the default layout in
+// place (`reorder`, MXNet's NDArray::Chunk::Reorder2Default, handed over by the caller
+// with each array's chunk) before its data pointer is read. MXNDArrayGetData would push
+// that reorder and wait for it, which inside the operation never ends; and a reader
+// running beside the operation must not see the array change under it.
 using EngineFunction = void (*)(void*, void*);
 using Deleter = void (*)(void*);
 using PushFunction = int (*)(EngineFunction, void*, Deleter, void*, void* const*, int,
                              void* const*, int, const void*, int, const char*);
 using CopyFunction = int (*)(void*, void**);
 using FreeFunction = int (*)(void*);
+using ReorderFunction = void (*)(void*);
 using Run = std::function<void(std::vector<MXTensor>&, std::vector<MXTensor>&)>;
 
 struct Held {                    // shallow copies of the caller's arrays
   std::vector<void*> arrays;
+  std::vector<void*> chunks;     // their storage chunks (for `reorder`)
   FreeFunction free;
   // what the last checks passed on (`mx_lbsgd_push`): the call's key and mutated inputs
   std::mutex checked_lock;
@@ -1042,6 +1051,8 @@ bool check_nothing(const Attrs&) { return true; }
 
 bool check_accumulate(const Attrs& attrs) {
   for (const char* key : {"factor", "lr", "wd", "mean_factor"}) float_attr(attrs, key);
+  const auto check = attrs.find("check_finite");
+  if (check != attrs.end()) std::stoi(check->second);
   return true;
 }
 
@@ -1079,7 +1090,9 @@ struct PushedCall {
   std::shared_ptr<Held> held;
   size_t num_loose = 0;
   std::vector<void*> own;        // shallow copies this call owns: loose inputs, outputs
+  std::vector<void*> own_chunks;
   FreeFunction free;
+  ReorderFunction reorder;       // null: MXNet without oneDNN
   std::vector<int64_t> sizes;    // held inputs, loose inputs, outputs
   std::vector<int> dtypes;
   DataFunction get_data;
@@ -1091,12 +1104,17 @@ struct PushedCall {
     const size_t num_held = held->arrays.size();
     return j < num_held ? held->arrays[j] : own[j - num_held];
   }
+  void* chunk(size_t j) const {
+    const size_t num_held = held->arrays.size();
+    return j < num_held ? held->chunks[j] : own_chunks[j - num_held];
+  }
 };
 
 // the data pointer of array `j` of `call` into *data; false when MXNet failed or an array
 // with elements has none
 bool pushed_data(const PushedCall& call, size_t j, void** data) {
   *data = nullptr;
+  if (call.reorder != nullptr) call.reorder(call.chunk(j));
   if (call.get_data(call.array(j), data) == 0 && (*data != nullptr || call.sizes[j] == 0))
     return true;
   std::fprintf(stderr, "%s: array %zu has no data; nothing written\n", call.name, j);
@@ -1109,8 +1127,18 @@ MXTensor pushed_tensor(const PushedCall& call, size_t j, void* data) {
                   mxnet::ext::MXContext::CPU());
 }
 
+void run_pushed_call(PushedCall& call);
+
 void run_pushed(void*, void* param) {
   auto& call = *static_cast<PushedCall*>(param);
+  try {      // (the checks before the push parse what the kernels parse; an exception
+    run_pushed_call(call);   // here would end the process from the engine's thread)
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s failed on the engine thread: %s\n", call.name, e.what());
+  }
+}
+
+void run_pushed_call(PushedCall& call) {
   Held& held = *call.held;
   const size_t num_held = held.arrays.size(), num_in = num_held + call.num_loose;
   std::vector<MXTensor> out, own;
@@ -1119,6 +1147,9 @@ void run_pushed(void*, void* param) {
     if (!pushed_data(call, j, &data)) return;
     out.push_back(pushed_tensor(call, j, data));
   }
+  // a failure below leaves NaN in the outputs: a norm or a flag that reads as not finite
+  for (MXTensor& t : out)
+    std::fill_n(t.data<float>(), t.size(), std::numeric_limits<float>::quiet_NaN());
   // the held tensors, unless another run (an operator that only reads them) has them
   std::unique_lock<std::mutex> lock(held.tensors_lock, std::try_to_lock);
   std::vector<MXTensor>& in = lock.owns_lock() ? held.tensors : own;
@@ -1215,9 +1246,10 @@ REGISTER_OP(mx_lbsgd_lamb_update)
 // failed to make one (MXNet's last error says why); `mx_lbsgd_release` drops the caller's
 // share.
 extern "C" __attribute__((visibility("default"))) void* mx_lbsgd_hold(
-    int n, void* const* handles, CopyFunction copy, FreeFunction free) {
+    int n, void* const* handles, void* const* chunks, CopyFunction copy, FreeFunction free) {
   auto held = std::make_shared<Held>();
   held->free = free;
+  held->chunks.assign(chunks, chunks + n);
   for (int j = 0; j < n; ++j) {
     void* own = nullptr;
     if (copy(handles[j], &own) != 0) return nullptr;      // ~Held frees the copies made
@@ -1238,9 +1270,10 @@ extern "C" __attribute__((visibility("default"))) void mx_lbsgd_release(void* he
 // attributes or arrays are wrong (*error says how).
 extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
     int op, void* held, const int64_t* sizes, const int* dtypes, int num_loose, int num_out,
-    void* const* extra, const int64_t* extra_sizes, const int* extra_dtypes, int num_attrs,
-    const char* const* keys, const char* const* values, void* context, PushFunction push,
-    DataFunction get_data, CopyFunction copy, FreeFunction free, const char** error) {
+    void* const* extra, void* const* extra_chunks, const int64_t* extra_sizes,
+    const int* extra_dtypes, int num_attrs, const char* const* keys, const char* const* values,
+    void* context, PushFunction push, DataFunction get_data, CopyFunction copy,
+    FreeFunction free, ReorderFunction reorder, const char** error) {
   static thread_local std::string message;
   if (op < 0 || op >= static_cast<int>(sizeof(kPushed) / sizeof(kPushed[0]))) {
     message = "mx_lbsgd_push: no operator number " + std::to_string(op);
@@ -1248,10 +1281,14 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
     return -3;
   }
   const PushedOp& pushed = kPushed[op];
+  auto* errors = mxnet::ext::MXerrorMsgs::get();
+  const int errors_before = errors->size();    // (the list keeps every earlier message)
   auto call = std::make_unique<PushedCall>();
   call->held = *static_cast<std::shared_ptr<Held>*>(held);
   call->num_loose = num_loose;
   call->free = free;
+  call->reorder = reorder;
+  call->own_chunks.assign(extra_chunks, extra_chunks + num_loose + num_out);
   call->name = pushed.name;
   Held& inputs = *call->held;
   const int num_held = static_cast<int>(inputs.arrays.size()), num_in = num_held + num_loose;
@@ -1302,9 +1339,9 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
       checked = true;
     }
     if (!checked || !pushed.bind(attrs, &call->run)) {
-      auto* errors = mxnet::ext::MXerrorMsgs::get();
-      const std::string* last = errors->size() ? errors->get(errors->size() - 1) : nullptr;
-      message = last ? *last : std::string(pushed.name) + ": bad arguments";
+      const std::string* last =
+          errors->size() > errors_before ? errors->get(errors->size() - 1) : nullptr;
+      message = last ? *last : std::string(pushed.name) + ": bad arguments (no arrays?)";
       delete last;
       *error = message.c_str();
       return -3;
@@ -1319,12 +1356,9 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
     if (copy(extra[k], &own) != 0) return -1;
     call->own.push_back(own);
   }
-  std::vector<char> writes(num_in + num_out, 0);
-  for (int j : mutate) writes[j] = 1;
-  std::fill(writes.begin() + num_in, writes.end(), 1);
+  // every array written (see the top of this section): reads_of stays empty
   std::vector<void*> reads_of, writes_of;
-  for (int j = 0; j < num_in + num_out; ++j)
-    (writes[j] ? writes_of : reads_of).push_back(call->array(j));
+  for (int j = 0; j < num_in + num_out; ++j) writes_of.push_back(call->array(j));
   if (num_out == 0 && all_sizes.size() > static_cast<size_t>(num_in)) {
     // a buffer the call owns for the outputs nobody reads
     int64_t total = 0;

@@ -844,7 +844,8 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
                 or len({_chunk(a) for a in arrays}) != len(arrays):
             return None
         n = len(arrays)
-        held = _Held(library, (NDArrayHandle * n)(*[a.handle for a in arrays]), n)
+        held = _Held(library, (NDArrayHandle * n)(*[a.handle for a in arrays]),
+                     (ctypes.c_void_p * n)(*[_chunk(a) for a in arrays]), n)
         return (held, (ctypes.c_int64 * n)(*[a.size for a in arrays]),
                 (ctypes.c_int * n)(*[codes[np.dtype(a.dtype)] for a in arrays]),
                 {_chunk(a) for a in arrays}, _EngineContext(1, ctx.device_id))  # Context::kCPU
@@ -863,6 +864,7 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
     result = library.mx_lbsgd_push(
         ctypes.c_int(op), held.pointer, sizes, dtypes, ctypes.c_int(len(loose)),
         ctypes.c_int(len(outputs)), (NDArrayHandle * k)(*[a.handle for a in extra]),
+        (ctypes.c_void_p * k)(*[_chunk(a) for a in extra]),
         (ctypes.c_int64 * k)(*[a.size for a in extra]),
         (ctypes.c_int * k)(*[codes[np.dtype(a.dtype)] for a in extra]),
         ctypes.c_int(len(attrs)), c_str_array(list(attrs)),
@@ -870,7 +872,8 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
         ctypes.cast(_LIB.MXEnginePushSyncND, ctypes.c_void_p),
         ctypes.cast(_LIB.MXNDArrayGetData, ctypes.c_void_p),
         ctypes.cast(_LIB.MXShallowCopyNDArray, ctypes.c_void_p),
-        ctypes.cast(_LIB.MXNDArrayFree, ctypes.c_void_p), ctypes.byref(error))
+        ctypes.cast(_LIB.MXNDArrayFree, ctypes.c_void_p), _reorder_function(),
+        ctypes.byref(error))
     if result == -3:
         raise MXNetError((error.value or b'').decode('utf-8', 'replace'))
     if result != 0:
@@ -882,12 +885,13 @@ class _Held:
     """The library's share of shallow copies of `n` arrays (``mx_lbsgd_hold``), released
     when this object goes."""
 
-    def __init__(self, library: Any, handles: Any, n: int) -> None:
+    def __init__(self, library: Any, handles: Any, chunks: Any, n: int) -> None:
         from mxnet.base import _LIB, check_call
         self._release = library.mx_lbsgd_release
         library.mx_lbsgd_hold.restype = ctypes.c_void_p
         self.pointer = ctypes.c_void_p(library.mx_lbsgd_hold(
-            ctypes.c_int(n), handles, ctypes.cast(_LIB.MXShallowCopyNDArray, ctypes.c_void_p),
+            ctypes.c_int(n), handles, chunks,
+            ctypes.cast(_LIB.MXShallowCopyNDArray, ctypes.c_void_p),
             ctypes.cast(_LIB.MXNDArrayFree, ctypes.c_void_p)))
         if not self.pointer.value:
             check_call(-1)
@@ -895,6 +899,27 @@ class _Held:
     def __del__(self) -> None:
         if getattr(self, 'pointer', None) and self.pointer.value:
             self._release(self.pointer)
+
+
+def _reorder_function() -> Optional[ctypes.c_void_p]:
+    """MXNet's ``NDArray::Chunk::Reorder2Default()`` (a C++ member function: the chunk is its
+    one argument), or None in a build without oneDNN.
+
+    Why: oneDNN keeps some arrays in a layout of its own (a convolution's weight after a
+    forward pass in predict mode); MXNet's operators put them back into the default layout
+    inside the operation, and the C API's ``MXNDArrayGetData`` does it by pushing a reorder
+    and waiting for it, which inside a pushed operation waits forever. The function is
+    exported by the 1.9.1 wheel's ``libmxnet.so`` (``src/ndarray/ndarray.cc``): it returns at
+    once for an array in the default layout, else reorders it in place, synchronously."""
+    if not _REORDER:
+        from mxnet.base import _LIB
+        found = getattr(_LIB, '_ZN5mxnet7NDArray5Chunk15Reorder2DefaultEv', None)
+        _REORDER.append(None if found is None else ctypes.cast(found, ctypes.c_void_p))
+    return _REORDER[0]
+
+
+#: [`_reorder_function`'s answer], looked up once
+_REORDER: list = []
 
 
 class _EngineContext(ctypes.Structure):

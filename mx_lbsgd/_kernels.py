@@ -178,7 +178,7 @@ def _planned(cache: Dict[Tuple[int, ...], Tuple[List[nd.NDArray], Any]],
     plan = make()
     if all(a.stype == 'default' for a in arrays):
         cache[key] = (list(arrays), plan)
-        if len(cache) > 64:                   # bound the cache (changing gradient sets)
+        if len(cache) > 8:          # bound the cache (changing gradient sets, other models)
             cache.pop(next(iter(cache)), None)
     return plan
 

@@ -570,6 +570,62 @@ def test_the_pushed_update_holds_its_arrays_until_it_ran():
         np.testing.assert_array_equal(got.asnumpy(), expected.asnumpy())
 
 
+ONEDNN_STEP = r"""
+import sys
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon
+import mx_lbsgd
+optimizer, args, out, predict = sys.argv[1], eval(sys.argv[2]), sys.argv[3], sys.argv[4]
+mx.random.seed(0)
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Conv2D(64, 3, in_channels=3, padding=1),
+        gluon.nn.Conv2D(64, 3, in_channels=64, padding=1), gluon.nn.Flatten(),
+        gluon.nn.Dense(4))
+net.initialize(mx.init.Xavier())
+trainer = gluon.Trainer(net.collect_params(), optimizer, args)
+x = mx.nd.random.uniform(shape=(8, 3, 16, 16))
+y = mx.nd.array(np.arange(8) % 4)
+for step in range(2):
+    with autograd.record():
+        loss = gluon.loss.SoftmaxCrossEntropyLoss()(net(x), y)
+    loss.backward()
+    if predict == '1':
+        net(x)  # predict mode: oneDNN reorders the convolutions' weights into its layout
+    trainer.step(8)
+np.savez(out, *[p.data().asnumpy() for p in net.collect_params().values()])
+"""
+
+
+@needs_native
+@pytest.mark.parametrize('optimizer, args', [
+    pytest.param('lbsgd', dict(momentum=0.9), id='lbsgd'),
+    pytest.param('lbsgd', dict(momentum=0.9, max_grad_norm=0.5), id='lbsgd-clip'),
+    pytest.param('lssgd', dict(momentum=0.9, loss_scaler=1.0), id='lssgd'),
+    pytest.param('lblamb', dict(), id='lblamb'),
+])
+def test_weights_in_onednns_layout_are_updated_as_by_mxnets_operators(tmp_path, optimizer,
+                                                                      args):
+    """A forward pass in predict mode leaves the convolutions' weights in oneDNN's own
+    layout. The pushed operators must neither wait forever for their reorder nor update a
+    copy: the weights equal those of the same steps without that pass, bit for bit, and
+    (SGD) those of MXNet's operators."""
+    def run(native, predict):
+        out = str(tmp_path / ('%s%s.npz' % (native, predict)))
+        env = dict(os.environ, MX_LBSGD_NATIVE=native)
+        done = subprocess.run([sys.executable, '-c', ONEDNN_STEP, optimizer,
+                               repr(dict(args, learning_rate=0.1)), out, predict], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return [v for _, v in sorted(np.load(out).items())]
+    ours = run('1', '1')
+    for got, want in zip(ours, run('1', '0')):
+        np.testing.assert_array_equal(got, want)
+    if optimizer != 'lblamb':      # (a clipping norm's sums may differ in the last bits)
+        for got, want in zip(ours, run('0', '1')):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 @needs_native
 def test_arrays_sharing_storage_go_through_mxnets_call():
     """Weights that are views of one buffer share one engine variable: pushed as they are,
