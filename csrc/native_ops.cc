@@ -971,8 +971,8 @@ MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 // ---- the operators pushed to MXNet's engine directly -----------------------------------
 //
 // `mx_lbsgd_push` runs an operator's checks on the calling thread and pushes its kernel as
-// one engine operation that reads the inputs the operator reads and writes those it
-// mutates and its outputs, as MXNet's imperative call of the operator does, without that
+// one engine operation over its inputs and outputs, as MXNet's imperative call of the
+// operator does, without that
 // call's per-array work (shape, type and storage inference, lib_api's dispatch): 0.3 ms for
 // the 12,000 arrays of a 3,000-tensor float16 SGD step against 27 ms. MXNet's C functions
 // come as pointers (the library does not link MXNet). The inputs are held (`mx_lbsgd_hold`)
@@ -1000,10 +1000,9 @@ struct Held {                    // shallow copies of the caller's arrays
   std::vector<void*> arrays;
   std::vector<void*> chunks;     // their storage chunks (for `reorder`)
   FreeFunction free;
-  // what the last checks passed on (`mx_lbsgd_push`): the call's key and mutated inputs
+  // what the last checks passed on (`mx_lbsgd_push`): the call's key
   std::mutex checked_lock;
   std::string checked_key;
-  std::vector<int> checked_mutate;
   // the inputs as tensors, their data pointers set per run (by one run at a time)
   std::mutex tensors_lock;
   std::vector<MXTensor> tensors;
@@ -1020,7 +1019,6 @@ struct PushedOp {
   MXReturnValue (*type)(const Attrs&, std::vector<int>*, std::vector<int>*);
   MXReturnValue (*shape)(const Attrs&, std::vector<std::vector<unsigned>>*,
                          std::vector<std::vector<unsigned>>*);
-  MXReturnValue (*mutate)(const Attrs&, std::vector<int>*);
   bool (*bind)(const Attrs&, Run*);
 };
 
@@ -1074,15 +1072,15 @@ bool check_lamb(const Attrs& attrs) {
 
 // in the order of _native._PUSHED
 const PushedOp kPushed[] = {
-    {"mx_lbsgd_sum_sq", arrays_parse, float_arrays_type, sum_sq_shape, nullptr,
+    {"mx_lbsgd_sum_sq", arrays_parse, float_arrays_type, sum_sq_shape,
      bind_forward<sum_sq_forward, check_nothing>},
-    {"mx_lbsgd_all_finite", arrays_parse, float_arrays_type, finite_shape, nullptr,
+    {"mx_lbsgd_all_finite", arrays_parse, float_arrays_type, finite_shape,
      bind_forward<finite_forward, check_nothing>},
-    {"mx_lbsgd_sgd_update", sgd_parse, sgd_type, sgd_shape, sgd_mutate, bind_sgd},
-    {"mx_lbsgd_lamb_update", lamb_parse, lamb_type, lamb_shape, lamb_mutate,
+    {"mx_lbsgd_sgd_update", sgd_parse, sgd_type, sgd_shape, bind_sgd},
+    {"mx_lbsgd_lamb_update", lamb_parse, lamb_type, lamb_shape,
      bind_forward<lamb_forward, check_lamb>},
     {"mx_lbsgd_accumulate", accumulate_parse, accumulate_type, accumulate_shape,
-     accumulate_mutate, bind_forward<accumulate_forward, check_accumulate>},
+     bind_forward<accumulate_forward, check_accumulate>},
 };
 
 struct PushedCall {
@@ -1177,9 +1175,9 @@ void run_pushed_call(PushedCall& call) {
 
 void delete_pushed(void* param) { delete static_cast<PushedCall*>(param); }
 
-// the operator's checks, on sizes for shapes, and its mutated inputs; false with a message
+// the operator's checks, on sizes for shapes; false with a message
 bool check_pushed(const PushedOp& op, const Attrs& attrs, int num_in, int num_out,
-                  const int64_t* sizes, const int* dtypes, std::vector<int>* mutate) {
+                  const int64_t* sizes, const int* dtypes) {
   int want_in = 0, want_out = 0;
   if (op.parse(attrs, &want_in, &want_out) != MX_SUCCESS) return false;
   if (want_in != num_in) {
@@ -1204,7 +1202,7 @@ bool check_pushed(const PushedOp& op, const Attrs& attrs, int num_in, int num_ou
       return false;
     }
   }
-  return op.mutate == nullptr || op.mutate(attrs, mutate) == MX_SUCCESS;
+  return true;
 }
 
 }  // namespace
@@ -1296,7 +1294,6 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
   std::vector<int> all_dtypes(dtypes, dtypes + num_held);
   all_sizes.insert(all_sizes.end(), extra_sizes, extra_sizes + num_loose + num_out);
   all_dtypes.insert(all_dtypes.end(), extra_dtypes, extra_dtypes + num_loose + num_out);
-  std::vector<int> mutate;
   try {
     Attrs attrs;
     for (int k = 0; k < num_attrs; ++k) attrs[keys[k]] = values[k];
@@ -1329,13 +1326,11 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
     {
       std::lock_guard<std::mutex> guard(inputs.checked_lock);
       checked = inputs.checked_key == key;
-      if (checked) mutate = inputs.checked_mutate;
     }
     if (!checked && check_pushed(pushed, attrs, num_in, outs, all_sizes.data(),
-                                 all_dtypes.data(), &mutate)) {
+                                 all_dtypes.data())) {
       std::lock_guard<std::mutex> guard(inputs.checked_lock);
       inputs.checked_key = key;
-      inputs.checked_mutate = mutate;
       checked = true;
     }
     if (!checked || !pushed.bind(attrs, &call->run)) {

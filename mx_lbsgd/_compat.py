@@ -840,22 +840,25 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
 
     def build() -> Optional[tuple]:
         ctx = arrays[0].context
-        if ctx.device_type != 'cpu' or not _chunks_readable() or not usable(arrays, ctx) \
-                or len({_chunk(a) for a in arrays}) != len(arrays):
+        if ctx.device_type != 'cpu' or not _chunks_readable() or not usable(arrays, ctx):
+            return None
+        chunks = [_chunk(a) for a in arrays]
+        if len(set(chunks)) != len(arrays):
             return None
         n = len(arrays)
         held = _Held(library, (NDArrayHandle * n)(*[a.handle for a in arrays]),
-                     (ctypes.c_void_p * n)(*[_chunk(a) for a in arrays]), n)
+                     (ctypes.c_void_p * n)(*chunks), n)
         return (held, (ctypes.c_int64 * n)(*[a.size for a in arrays]),
                 (ctypes.c_int * n)(*[codes[np.dtype(a.dtype)] for a in arrays]),
-                {_chunk(a) for a in arrays}, _EngineContext(1, ctx.device_id))  # Context::kCPU
+                set(chunks), _EngineContext(1, ctx.device_id))  # Context::kCPU
     prepared = _kept(cache, ('push', op, len(arrays), id(arrays[0])), arrays, build)
     if prepared is None:
         return False
     held, sizes, dtypes, chunks, context = prepared
     extra = list(loose) + list(outputs)
+    extra_chunks = [_chunk(a) for a in extra]
     if extra and (not usable(extra, arrays[0].context)
-                  or len(chunks | {_chunk(a) for a in extra}) != len(chunks) + len(extra)):
+                  or len(chunks.union(extra_chunks)) != len(chunks) + len(extra)):
         return False
     for hook in _INVOKE_HOOKS:
         hook(function.op_handle)  # type: ignore[attr-defined]
@@ -864,7 +867,7 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
     result = library.mx_lbsgd_push(
         ctypes.c_int(op), held.pointer, sizes, dtypes, ctypes.c_int(len(loose)),
         ctypes.c_int(len(outputs)), (NDArrayHandle * k)(*[a.handle for a in extra]),
-        (ctypes.c_void_p * k)(*[_chunk(a) for a in extra]),
+        (ctypes.c_void_p * k)(*extra_chunks),
         (ctypes.c_int64 * k)(*[a.size for a in extra]),
         (ctypes.c_int * k)(*[codes[np.dtype(a.dtype)] for a in extra]),
         ctypes.c_int(len(attrs)), c_str_array(list(attrs)),
