@@ -16,7 +16,9 @@
 //       MXNet's nag_mom_update (and mp_nag_mom_update) arithmetic
 //       With lars=1 (and no lr_vector) the LARS rates are computed in the same call
 //       (`lars_forward`): norms and update over one group of tensors after another, so the
-//       update's reads of weights and gradients mostly hit the cache
+//       update's reads of weights and gradients mostly hit the cache; a pushed call takes
+//       each weight's |w|^2 from the update that wrote the weight, while nothing else wrote
+//       it since (its engine version says so), and reads the gradients alone
 //   mx_lbsgd_accumulate(acc.., g..)                         -> (1,) float32 zero, or
 //       with check_finite=1 the mx_lbsgd_all_finite flag of the gradients it read: one
 //       micro-batch of an accumulation window added into float32 accumulators (or the
@@ -41,6 +43,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -255,25 +258,53 @@ struct SgdHyper {
 // sgd_mom_update / multi_sgd*:  mom = momentum*mom - lr*wd*w - lr*rescale*g;  w = w + mom
 // sgd_update (per tensor):      w = (1 - lr*wd)*w - (lr*rescale)*g
 template <bool Momentum, bool MultiForm, bool Clip>
+inline float sgd_element(const SgdHyper& h, float lr, float lr_wd, float lr_rescale, float keep,
+                         float g, float* mom, float* w) {
+  float step = 0.f;
+  if (Clip) step = lr * std::max(-h.clip, std::min(h.clip, h.rescale * g));
+  else step = lr_rescale * g;
+  if (Momentum || MultiForm) {
+    const float m = (Momentum ? h.momentum * *mom : 0.f) - lr_wd * *w - step;
+    if (Momentum) *mom = m;
+    return *w = *w + m;
+  }
+  return *w = keep * *w - step;
+}
+
+template <bool Momentum, bool MultiForm, bool Clip>
 HOT void sgd_block(const SgdHyper& h, float lr, float wd, const float* g, float* mom, float* w,
                    int64_t n) {
   const float lr_wd = lr * wd, lr_rescale = lr * h.rescale, keep = 1.f - lr * wd;
 #pragma omp simd
-  for (int64_t k = 0; k < n; ++k) {
-    float step = 0.f;
-    if (Clip) step = lr * std::max(-h.clip, std::min(h.clip, h.rescale * g[k]));
-    else step = lr_rescale * g[k];
-    if (Momentum || MultiForm) {
-      const float m = (Momentum ? h.momentum * mom[k] : 0.f) - lr_wd * w[k] - step;
-      if (Momentum) mom[k] = m;
-      w[k] = w[k] + m;
-    } else {
-      w[k] = keep * w[k] - step;
+  for (int64_t k = 0; k < n; ++k)
+    sgd_element<Momentum, MultiForm, Clip>(h, lr, lr_wd, lr_rescale, keep, g[k],
+                                           Momentum ? mom + k : nullptr, w + k);
+}
+
+// The same block, returning block_sum_sq of the weights it wrote (the same bits), summed
+// from the values as they are written: LARS keeps them for the next step (`WeightNorms`)
+template <bool Momentum, bool MultiForm, bool Clip>
+HOT float sgd_block_sum_sq(const SgdHyper& h, float lr, float wd, const float* g, float* mom,
+                           float* w, int64_t n) {
+  const float lr_wd = lr * wd, lr_rescale = lr * h.rescale, keep = 1.f - lr * wd;
+  float lanes[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes)
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const float written = sgd_element<Momentum, MultiForm, Clip>(
+          h, lr, lr_wd, lr_rescale, keep, g[k + j], Momentum ? mom + k + j : nullptr,
+          w + k + j);
+      lanes[j] += written * written;
     }
-  }
+  sgd_block<Momentum, MultiForm, Clip>(h, lr, wd, g + k, Momentum ? mom + k : nullptr, w + k,
+                                       n - k);
+  return add_lanes(lanes, w + k, n - k);
 }
 
 using SgdBlock = void (*)(const SgdHyper&, float, float, const float*, float*, float*, int64_t);
+using SgdBlockSumSq = float (*)(const SgdHyper&, float, float, const float*, float*, float*,
+                                int64_t);
 
 // nag_mom_update, in its operation order. MXNet's kernel writes the new weight before it
 // updates the momentum and reads the weight again for the momentum's weight decay; the
@@ -301,6 +332,12 @@ SgdBlock pick_sgd_block(bool clip) {
   return clip ? sgd_block<Momentum, MultiForm, true> : sgd_block<Momentum, MultiForm, false>;
 }
 
+template <bool Momentum, bool MultiForm>
+SgdBlockSumSq pick_sgd_block_sum_sq(bool clip) {
+  return clip ? sgd_block_sum_sq<Momentum, MultiForm, true>
+              : sgd_block_sum_sq<Momentum, MultiForm, false>;
+}
+
 struct SgdLayout {           // where each kind of array starts among the inputs
   size_t n;
   bool momentum, mp, preloaded, norm, lars;
@@ -324,13 +361,17 @@ SgdLayout sgd_layout(const Attrs& attrs) {
   return l;
 }
 
+float tensor_block_sum_sq(MXTensor& x, int64_t a, int64_t b, float* buffer);
+
 // The arrays of one mx_lbsgd_sgd_update call, and the update of one block of one tensor
 struct SgdArrays {
   const SgdLayout& l;
   std::vector<MXTensor>& in;
   SgdBlock block;
+  SgdBlockSumSq block_sum_sq;     // the same with the written weights' sum, or null (NAG)
   const SgdHyper& h;
-  MXTensor& weight(size_t i) const { return l.mp ? in[l.masters() + i] : in[i]; }
+  size_t weight_index(size_t i) const { return l.mp ? l.masters() + i : i; }
+  MXTensor& weight(size_t i) const { return in[weight_index(i)]; }
   MXTensor& grad(size_t i) const { return in[l.grads() + i]; }
   void update(size_t i, int64_t a, int64_t b, float lr, float wd, float* buffer) const {
     float* w = weight(i).data<float>() + a;
@@ -342,6 +383,23 @@ struct SgdArrays {
     }
     block(h, lr, wd, g, mom, w, b - a);
     if (l.mp) narrow(w, in[i].data<_Float16>() + a, b - a);
+  }
+  // the same update, returning the tensor_block_sum_sq of the weights it wrote
+  float update_sum_sq(size_t i, int64_t a, int64_t b, float lr, float wd, float* buffer) const {
+    if (block_sum_sq == nullptr) {
+      update(i, a, b, lr, wd, buffer);
+      return tensor_block_sum_sq(weight(i), a, b, buffer);
+    }
+    float* w = weight(i).data<float>() + a;
+    float* mom = l.momentum ? in[l.moms() + i].data<float>() + a : nullptr;
+    const float* g = grad(i).data<float>() + a;
+    if (grad(i).dtype == mxnet::ext::kFloat16) {
+      widen(grad(i).data<_Float16>() + a, buffer, b - a);
+      g = buffer;
+    }
+    const float sum = block_sum_sq(h, lr, wd, g, mom, w, b - a);
+    if (l.mp) narrow(w, in[i].data<_Float16>() + a, b - a);
+    return sum;
   }
 };
 
@@ -358,6 +416,28 @@ float tensor_block_sum_sq(MXTensor& x, int64_t a, int64_t b, float* buffer) {
 float attr_float(const Attrs& attrs, const char* key) {
   return static_cast<float>(std::strtod(attrs.at(key).c_str(), nullptr));
 }
+
+// ---- engine versions ----------------------------------------------------------------------
+// MXNet's engine counts the completed writes of each array's variable (Engine::Var::version_,
+// include/mxnet/engine.h: "every time the object it is associated with is modified, the
+// version number is incremented by 1"). The caller (`mx_lbsgd_track_versions`, from
+// mx_lbsgd._compat, which probes the layout first) gives the offset of the variable in an
+// NDArray's chunk and of the count in the variable; -1: not tracked. Read inside an
+// operation that writes the array, the count includes every earlier write, and the
+// operation's own write adds exactly 1 when it ends.
+std::atomic<int64_t> g_var_offset{-1}, g_version_offset{-1};
+
+bool engine_version(void* chunk, size_t* version) {
+  const int64_t var_offset = g_var_offset.load(), version_offset = g_version_offset.load();
+  if (var_offset < 0 || version_offset < 0 || chunk == nullptr) return false;
+  const char* var = *reinterpret_cast<char* const*>(static_cast<char*>(chunk) + var_offset);
+  if (var == nullptr) return false;
+  *version = *reinterpret_cast<const size_t*>(var + version_offset);
+  return true;
+}
+
+// the tensors whose weight norms LARS read from memory (a count for the tests)
+std::atomic<int64_t> g_weight_norms_read{0};
 
 // LARS (lars=1): the trust ratio computed inside the update, from the float32 sums of
 // squares ws = |w|^2 (the master copy when there is one) and gs = |g|^2 * c^2 (c: the clip
@@ -391,10 +471,31 @@ struct LarsHyper {
 // elements or single tensors, 1.65 with the norms of every tensor first.
 constexpr int64_t kLarsGroup = 1 << 18;
 
+// |w|^2 of each tensor, summed by the update that wrote the weights, block by block as the
+// next call's norm pass would sum them (the same split, thread and order: the same bits),
+// while the block is still in the cache. The next call takes a tensor's sum from here when
+// its weight's engine version is the one that update left, i.e. nothing wrote the weight
+// since; then the norm pass reads the gradients alone (LARS / plain update 1.18-1.22
+// instead of 1.42-1.55 on ResNet-50's shapes, same machine).
+struct WeightNorms {
+  std::vector<float> sums;
+  std::vector<size_t> versions;   // each weight's version once that update ended
+  std::vector<char> valid;
+  int team = 0;                   // the threads that summed them
+};
+
+// `versions`: the weights' engine versions now (empty: unknown, `kept` is not used)
 void lars_forward(const LarsHyper& lars, const SgdArrays& arrays,
                   const std::vector<double>& lrs, const std::vector<double>& wds,
-                  const std::vector<double>& applies) {
+                  const std::vector<double>& applies, WeightNorms* kept,
+                  const std::vector<size_t>& versions) {
   const size_t n = arrays.l.n;
+  if (versions.size() != n) kept = nullptr;
+  std::vector<char> known(n, 0);
+  if (kept != nullptr && kept->sums.size() == n) {
+    for (size_t i = 0; i < n; ++i)
+      known[i] = kept->valid[i] && kept->versions[i] == versions[i];
+  }
   std::vector<size_t> bounds{0};
   std::vector<Split> splits;
   std::vector<int64_t> sizes;
@@ -415,32 +516,56 @@ void lars_forward(const LarsHyper& lars, const SgdArrays& arrays,
   bounds.push_back(n);
   const int nt = total < kParallelMin ? 1 : std::max(1, omp_get_max_threads());
   std::vector<double> ws(static_cast<size_t>(nt) * n, 0.0), gs(ws.size(), 0.0);
+  std::vector<double> next(kept != nullptr ? ws.size() : 0, 0.0);
   std::vector<float> rates(n);
-#pragma omp parallel num_threads(nt)
+  int team = 0;
+  int64_t read = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : read)
   {
-    const int t = omp_get_thread_num();
+    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const bool reuse = kept != nullptr && kept->team == threads;
     float buffer[kBlock];
     for (size_t k = 0; k < splits.size(); ++k) {
       const size_t first = bounds[k];
-      splits[k].each(t, omp_get_num_threads(), [&](size_t j, int64_t a, int64_t b) {
+      splits[k].each(t, threads, [&](size_t j, int64_t a, int64_t b) {
         const size_t i = first + j;
-        ws[t * n + i] += tensor_block_sum_sq(arrays.weight(i), a, b, buffer);
+        if (!(reuse && known[i]))
+          ws[t * n + i] += tensor_block_sum_sq(arrays.weight(i), a, b, buffer);
         gs[t * n + i] += tensor_block_sum_sq(arrays.grad(i), a, b, buffer);
       });
 #pragma omp barrier
 #pragma omp single
-      for (size_t i = first; i < bounds[k + 1]; ++i) {
-        double w_sum = 0.0, g_sum = 0.0;
-        for (int u = 0; u < nt; ++u) { w_sum += ws[u * n + i]; g_sum += gs[u * n + i]; }
-        rates[i] = lars.rate(static_cast<float>(lrs[i]), static_cast<float>(wds[i]),
-                             static_cast<float>(w_sum), static_cast<float>(g_sum),
-                             applies[i] != 0);
+      {
+        team = threads;
+        for (size_t i = first; i < bounds[k + 1]; ++i) {
+          double w_sum = 0.0, g_sum = 0.0;
+          for (int u = 0; u < threads; ++u) { w_sum += ws[u * n + i]; g_sum += gs[u * n + i]; }
+          const bool cached = reuse && known[i];
+          read += cached ? 0 : 1;
+          rates[i] = lars.rate(static_cast<float>(lrs[i]), static_cast<float>(wds[i]),
+                               cached ? kept->sums[i] : static_cast<float>(w_sum),
+                               static_cast<float>(g_sum), applies[i] != 0);
+        }
       }
-      splits[k].each(t, omp_get_num_threads(), [&](size_t j, int64_t a, int64_t b) {
+      splits[k].each(t, threads, [&](size_t j, int64_t a, int64_t b) {
         const size_t i = first + j;
-        arrays.update(i, a, b, rates[i], static_cast<float>(wds[i]), buffer);
+        const float lr = rates[i], wd = static_cast<float>(wds[i]);
+        if (kept == nullptr) arrays.update(i, a, b, lr, wd, buffer);
+        else next[t * n + i] += arrays.update_sum_sq(i, a, b, lr, wd, buffer);
       });
     }
+  }
+  g_weight_norms_read += read;
+  if (kept == nullptr) return;
+  kept->sums.assign(n, 0.f);
+  kept->versions.resize(n);
+  kept->valid.assign(n, 1);
+  kept->team = team;
+  for (size_t i = 0; i < n; ++i) {
+    double w_sum = 0.0;
+    for (int u = 0; u < team; ++u) w_sum += next[u * n + i];
+    kept->sums[i] = static_cast<float>(w_sum);
+    kept->versions[i] = versions[i] + 1;     // this operation's write, when it ends
   }
 }
 
@@ -527,7 +652,10 @@ bool sgd_prepare(const Attrs& attrs, SgdCall* call) {
   return true;
 }
 
-void sgd_execute(SgdCall& call, std::vector<MXTensor>& in, float* out) {
+// `kept`, `chunks`: LARS's weight norms kept for the held arrays and their chunks (pushed
+// calls; else null)
+void sgd_execute(SgdCall& call, std::vector<MXTensor>& in, float* out,
+                 WeightNorms* kept = nullptr, const std::vector<void*>* chunks = nullptr) {
   const SgdLayout& l = call.l;
   SgdHyper h = call.h;
   float coefficient = 1.f;
@@ -545,10 +673,21 @@ void sgd_execute(SgdCall& call, std::vector<MXTensor>& in, float* out) {
       : l.momentum ? pick_sgd_block<true, true>(h.clip >= 0.f)
       : l.preloaded || l.lars ? pick_sgd_block<false, true>(h.clip >= 0.f)
                     : pick_sgd_block<false, false>(h.clip >= 0.f);
-  const SgdArrays arrays{l, in, block, h};
+  const SgdBlockSumSq block_sum_sq = call.nesterov ? nullptr
+      : l.momentum ? pick_sgd_block_sum_sq<true, true>(h.clip >= 0.f)
+                   : pick_sgd_block_sum_sq<false, true>(h.clip >= 0.f);
+  const SgdArrays arrays{l, in, block, l.lars ? block_sum_sq : nullptr, h};
   if (l.lars) {
     call.lars.coefficient = coefficient;
-    return lars_forward(call.lars, arrays, call.lrs, call.wds, call.applies);
+    std::vector<size_t> versions(kept != nullptr && chunks != nullptr ? l.n : 0);
+    for (size_t i = 0; i < versions.size(); ++i) {
+      const size_t j = arrays.weight_index(i);
+      if (j >= chunks->size() || !engine_version((*chunks)[j], &versions[i])) {
+        versions.clear();
+        break;
+      }
+    }
+    return lars_forward(call.lars, arrays, call.lrs, call.wds, call.applies, kept, versions);
   }
   const std::vector<double>& lrs = call.lrs;
   const std::vector<double>& wds = call.wds;
@@ -994,7 +1133,8 @@ using PushFunction = int (*)(EngineFunction, void*, Deleter, void*, void* const*
 using CopyFunction = int (*)(void*, void**);
 using FreeFunction = int (*)(void*);
 using ReorderFunction = void (*)(void*);
-using Run = std::function<void(std::vector<MXTensor>&, std::vector<MXTensor>&)>;
+struct Held;
+using Run = std::function<void(Held&, std::vector<MXTensor>&, std::vector<MXTensor>&)>;
 
 struct Held {                    // shallow copies of the caller's arrays
   std::vector<void*> arrays;
@@ -1006,6 +1146,9 @@ struct Held {                    // shallow copies of the caller's arrays
   // the inputs as tensors, their data pointers set per run (by one run at a time)
   std::mutex tensors_lock;
   std::vector<MXTensor> tensors;
+  // LARS's weight norms (`lars_forward`), used by the operations that write these arrays
+  // (one at a time: they are declared written)
+  WeightNorms weight_norms;
   ~Held() {
     for (void* a : arrays) free(a);
   }
@@ -1025,8 +1168,8 @@ struct PushedOp {
 bool bind_sgd(const Attrs& attrs, Run* run) {
   auto call = std::make_shared<SgdCall>();
   if (!sgd_prepare(attrs, call.get())) return false;
-  *run = [call](std::vector<MXTensor>& in, std::vector<MXTensor>& out) {
-    sgd_execute(*call, in, out[0].data<float>());
+  *run = [call](Held& held, std::vector<MXTensor>& in, std::vector<MXTensor>& out) {
+    sgd_execute(*call, in, out[0].data<float>(), &held.weight_norms, &held.chunks);
   };
   return true;
 }
@@ -1037,7 +1180,7 @@ template <MXReturnValue (*Forward)(const Attrs&, std::vector<MXTensor>*,
           bool (*Check)(const Attrs&)>
 bool bind_forward(const Attrs& attrs, Run* run) {
   if (!Check(attrs)) return false;
-  *run = [attrs](std::vector<MXTensor>& in, std::vector<MXTensor>& out) {
+  *run = [attrs](Held&, std::vector<MXTensor>& in, std::vector<MXTensor>& out) {
     const OpResource none(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                           nullptr, nullptr);
     Forward(attrs, &in, &out, none);
@@ -1169,7 +1312,7 @@ void run_pushed_call(PushedCall& call) {
     in[j].data_ptr = data;
     in[j].dltensor.data = data;
   }
-  call.run(in, out);
+  call.run(held, in, out);
   in.erase(in.begin() + num_held, in.end());
 }
 
@@ -1361,7 +1504,7 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
     auto buffer = std::make_shared<std::vector<float>>(total);
     Run inner = std::move(call->run);
     const std::vector<int64_t> out_sizes(all_sizes.begin() + num_in, all_sizes.end());
-    call->run = [inner, buffer, out_sizes](std::vector<MXTensor>& in,
+    call->run = [inner, buffer, out_sizes](Held& held, std::vector<MXTensor>& in,
                                            std::vector<MXTensor>&) {
       std::vector<MXTensor> out;
       float* at = buffer->data();
@@ -1370,7 +1513,7 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
                          mxnet::ext::MXContext::CPU());
         at += size;
       }
-      inner(in, out);
+      inner(held, in, out);
     };
     all_sizes.resize(num_in);
     all_dtypes.resize(num_in);
@@ -1382,6 +1525,18 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
   return push(run_pushed, call.release(), delete_pushed, context, reads_of.data(),
               static_cast<int>(reads_of.size()), writes_of.data(),
               static_cast<int>(writes_of.size()), nullptr, 0, pushed.name);
+}
+
+// Where an array's engine version is (see "engine versions"): the offset of the variable
+// pointer in an NDArray's chunk and of the count in the variable; -1 stops the tracking.
+extern "C" __attribute__((visibility("default"))) void mx_lbsgd_track_versions(
+    int64_t var_offset, int64_t version_offset) {
+  g_version_offset = version_offset;
+  g_var_offset = var_offset;
+}
+
+extern "C" __attribute__((visibility("default"))) int64_t mx_lbsgd_weight_norms_read() {
+  return g_weight_norms_read.load();
 }
 
 extern "C" __attribute__((visibility("default"))) int mx_lbsgd_host_all_finite(

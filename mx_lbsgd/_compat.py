@@ -884,6 +884,78 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
     return True
 
 
+def track_engine_versions(library: Any) -> bool:
+    """Tell the native library (``mx_lbsgd_track_versions``) where MXNet keeps an array's
+    engine version, so that LARS can take a weight's norm from the update that wrote it while
+    nothing else wrote the weight since (``csrc/native_ops.cc``, "engine versions"). True
+    when the layout passed `_engine_version_layout`'s probe; else the library is told
+    nothing and every step reads the weights' norms.
+
+    Why: MXNet 1.9.1 has no C function for an array's version (``NDArray::version()`` is an
+    inline C++ member). The count is ``Engine::Var::version_``, the member after the virtual
+    table (``include/mxnet/engine.h``); the variable is ``NDArray::Chunk::var``, after the
+    storage handle (32 bytes), the auxiliary handles (a vector, 24) and, in a build with
+    oneDNN, its memory (a shared_ptr, 16) (``include/mxnet/ndarray.h``, ``storage.h``)."""
+    layout = _engine_version_layout()
+    if layout is None:
+        return False
+    library.mx_lbsgd_track_versions(ctypes.c_int64(layout[0]), ctypes.c_int64(layout[1]))
+    return True
+
+
+def _engine_version_layout() -> Optional[tuple[int, int]]:
+    """(offset of the engine variable in a chunk, offset of its version count) of this
+    MXNet, or None: each candidate of `track_engine_versions`'s layouts is read through
+    ``/proc/self/mem`` (a wrong address fails there instead of crashing) and kept when the
+    count moves as MXNet's writes move it: +1 per write of the array, also through a view;
+    unchanged by reads and by writes of another array."""
+    if _VERSION_LAYOUT:
+        return _VERSION_LAYOUT[0]
+    _VERSION_LAYOUT.append(None)
+    try:
+        memory = os.open('/proc/self/mem', os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        def word(address: int) -> Optional[int]:
+            try:
+                data = os.pread(memory, 8, address) if address > 0 else b''
+            except (OSError, OverflowError):
+                return None
+            return int.from_bytes(data, sys.byteorder) if len(data) == 8 else None
+
+        for var_offset in (72, 56):        # with oneDNN, without
+            def version(array: mx.nd.NDArray, var_offset: int = var_offset) -> Optional[int]:
+                var = word(_chunk(array) + var_offset)
+                return word(var + 8) if var else None
+
+            a, b = mx.nd.zeros((8,)), mx.nd.zeros((8,))
+            mx.nd.waitall()
+            seen = [version(a), version(b)]
+            a[:] = 1
+            a.wait_to_read()
+            seen.append(version(a))
+            (a * 2).wait_to_read()
+            seen.append(version(a))
+            view = a[2:6]
+            view += 1
+            a.wait_to_read()
+            seen += [version(a), version(view), version(b)]
+            counts = [v for v in seen if v is not None]
+            if len(counts) == len(seen):
+                v, w = counts[0], counts[1]
+                if counts[2:] == [v + 1, v + 1, v + 2, v + 2, w]:
+                    _VERSION_LAYOUT[0] = (var_offset, 8)
+                    break
+    finally:
+        os.close(memory)
+    return _VERSION_LAYOUT[0]
+
+
+#: [`_engine_version_layout`'s answer], probed once
+_VERSION_LAYOUT: list = []
+
+
 class _Held:
     """The library's share of shallow copies of `n` arrays (``mx_lbsgd_hold``), released
     when this object goes."""

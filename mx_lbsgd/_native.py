@@ -39,6 +39,8 @@ class _Ops:
         self.path = path
         library = self.library = ctypes.CDLL(path)
         self.host_all_finite = library.mx_lbsgd_host_all_finite
+        #: whether LARS's pushed updates keep the weights' norms (`_compat.track_engine_versions`)
+        self.tracks_versions = _compat.track_engine_versions(library)
         #: operator -> its number for the library's ``mx_lbsgd_push`` (`call`, `invoke`)
         self.pushed = {functions[name]: k for k, name in enumerate(_OPERATORS)}
         self.sum_sq = functions['mx_lbsgd_sum_sq']

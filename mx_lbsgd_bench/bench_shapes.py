@@ -19,7 +19,14 @@ the ratio within a round, so that the drift of a shared machine cancels out. Hos
    (multi-tensor kernels only) and False (per-tensor kernels only). Targets at every N:
    lbsgd routed / MXNet SGD default <= 0.5, and routed / the faster of lbsgd's fused=True
    and fused=False <= 1.05. float16 runs with multi_precision=True.
-2. resnet: ResNet-50 v1's trainable shapes (bench_step.resnet50_shapes). Targets: lbsgd
+2. resnet: ResNet-50 v1's trainable shapes (bench_step.resnet50_shapes). Each candidate
+   updates its own copy of the weights, as an optimizer does in training, but for
+   'lbsgd lars, weights written by another': its weights are lbsgd linear's, which writes
+   them between its steps, so its every step reads the weights' norms (the others take
+   |w|^2 from the update that wrote the weights). An untimed run of every candidate comes
+   first: in a fresh process, one candidate or another (lbsgd lars in most runs, lbsgd
+   linear once) ran up to 2.5x slower through the whole first run, inside its kernel, and
+   not with MALLOC_MMAP_THRESHOLD_=1000000000 (memory new to the process). Targets: lbsgd
    linear / fastest MXNet SGD path <= 0.6; lbsgd lars / lbsgd linear <= 1.6; faster of
    mx.optimizer.LARS(momentum_correction=False, aggregate 4) and MXNet's built-in LBSGD
    lars, divided by lbsgd lars, >= 10 in each of 3 independent runs (fresh optimizers and
@@ -42,6 +49,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import numpy as np
 import mxnet as mx
@@ -70,6 +78,7 @@ SGD_DEFAULT = 'mxnet SGD (default)'
 # (here +-30% between runs) falls on all of them alike
 SMALL_STEPS = 10
 SGD_PER_TENSOR = 'mxnet SGD (per-tensor)'
+LARS_SHARED = 'lbsgd lars, weights written by another'
 
 
 @functools.lru_cache()
@@ -116,6 +125,7 @@ RESNET_CANDIDATES = {
     'mxnet SGD (aggregate 4)': mxnet_sgd(4),
     'lbsgd linear': lbsgd(),
     'lbsgd lars': lbsgd('lars'),
+    LARS_SHARED: lbsgd('lars'),
     'mxnet LARS': mxnet_lars,
     'mxnet LBSGD lars': mxnet_lbsgd_lars,
     'lbsgd linear + clip 1.0': lbsgd(max_grad_norm=1.0),
@@ -278,16 +288,26 @@ def resnet(dtypes, rounds, steps, lars_runs=LARS_RUNS, seed=0):
         weights = tensors(shapes, dtype, rng)
         grads = tensors(shapes, dtype, rng, 1e-3)
         runs = []
-        for run in range(lars_runs):
-            cands = [bench_step.Timed(name, make, shapes, weights, grads)
+        for run in range(-1, lars_runs):      # run -1: the untimed warm-up
+            own = {name: [w.copy() for w in weights] for name in RESNET_CANDIDATES
+                   if name != LARS_SHARED}
+            own[LARS_SHARED] = own['lbsgd linear']
+            cands = [bench_step.Timed(name, make, shapes, own[name], grads)
                      for name, make in RESNET_CANDIDATES.items()
                      if not (name == GLUONNLP and dtype == 'float16')]
             for c in cands:
                 if c.name == GLUONNLP:
                     _clipping_first(c, grads)
-            interleave(cands, rounds, steps)
-            runs.append(cands)
-            ms = {c.name: [r['ms'] for r in c.rounds] for c in cands}
+            interleave(cands, 1 if run < 0 else rounds, steps)
+            if run < 0:
+                del own, cands, c
+                continue
+            # the timings alone: the next run's candidates need the memory
+            runs.append([types.SimpleNamespace(name=c.name, rounds=c.rounds, syncs=c.syncs,
+                                               launches=c.launches, steps=c.steps)
+                         for c in cands])
+            del own, cands, c
+            ms = {c.name: [r['ms'] for r in c.rounds] for c in runs[-1]}
             log('%-8s run %d: %s' % (dtype, run + 1, '  '.join(
                 '%s %.1f' % (k, statistics.median(v)) for k, v in ms.items())))
         pooled = {}
@@ -310,6 +330,8 @@ def resnet(dtypes, rounds, steps, lars_runs=LARS_RUNS, seed=0):
         value = ratio(pooled['lbsgd lars'], [pooled['lbsgd linear']])
         out['targets'].append(dict(dtype=dtype, what='lbsgd lars / lbsgd linear',
                                    value=value, target='<= 1.6', met=value <= 1.6))
+        out['notes'].append('%s: %s / lbsgd linear = %.2f' % (
+            dtype, LARS_SHARED, ratio(pooled[LARS_SHARED], [pooled['lbsgd linear']])))
         for base in ('lbsgd linear', 'lbsgd linear + loss scaler'):
             value = ratio(pooled[base + ' + clip 1.0'], [pooled[base]])
             out['targets'].append(dict(dtype=dtype, what='%s + clip 1.0 / %s' % (base, base),

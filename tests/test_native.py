@@ -2,6 +2,7 @@
 operators, and the routing that picks them. Where the library was not built these tests
 skip; CI's run then fails at its next step, which requires the library
 (MX_LBSGD_NATIVE=1)."""
+import ctypes
 import os
 import subprocess
 import sys
@@ -601,6 +602,8 @@ np.savez(out, *[p.data().asnumpy() for p in net.collect_params().values()])
 @pytest.mark.parametrize('optimizer, args', [
     pytest.param('lbsgd', dict(momentum=0.9), id='lbsgd'),
     pytest.param('lbsgd', dict(momentum=0.9, max_grad_norm=0.5), id='lbsgd-clip'),
+    pytest.param('lbsgd', dict(momentum=0.9, warmup_strategy='lars', warmup_epochs=1,
+                               updates_per_epoch=10), id='lbsgd-lars'),
     pytest.param('lssgd', dict(momentum=0.9, loss_scaler=1.0), id='lssgd'),
     pytest.param('lblamb', dict(), id='lblamb'),
 ])
@@ -624,6 +627,79 @@ def test_weights_in_onednns_layout_are_updated_as_by_mxnets_operators(tmp_path, 
     if optimizer != 'lblamb':      # (a clipping norm's sums may differ in the last bits)
         for got, want in zip(ours, run('0', '1')):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _lars_steps(dtype, tracked, write=None, steps=5, nesterov=False):
+    """The weights after `steps` LARS updates of one optimizer (gradients written into the
+    same arrays, as backward does), and how many tensors' weight norms the library read;
+    `write(step, weights)` runs between the steps. `tracked`: whether the library knows where
+    the engine versions are (else every step reads every weight norm)."""
+    from mx_lbsgd import _compat
+    shapes = [(300, 200), (200,), (64, 3, 3, 3), (64,), (1000, 300), (10,), (70001,)] * 2
+    rng = np.random.RandomState(3)
+    weights = [nd.array(rng.uniform(-0.1, 0.1, s), dtype=dtype) for s in shapes]
+    grads = [nd.zeros(s, dtype=dtype) for s in shapes]
+    updater = mx.optimizer.get_updater(mx_lbsgd.LBSGD(
+        learning_rate=0.1, momentum=0.9, wd=1e-4, warmup_strategy='lars', warmup_epochs=1,
+        updates_per_epoch=10, lars_exclude=(), multi_precision=dtype == 'float16',
+        nesterov=nesterov))
+    if not tracked:
+        OPS.library.mx_lbsgd_track_versions(ctypes.c_int64(-1), ctypes.c_int64(-1))
+    try:
+        before = OPS.library.mx_lbsgd_weight_norms_read()
+        for step in range(steps):
+            for g, shape in zip(grads, shapes):
+                g[:] = rng.uniform(-0.01, 0.01, shape)
+            updater(list(range(len(shapes))), grads, weights)
+            if write is not None:
+                write(step, weights)
+        mx.nd.waitall()
+        read = OPS.library.mx_lbsgd_weight_norms_read() - before
+    finally:
+        assert _compat.track_engine_versions(OPS.library)
+    return [w.asnumpy() for w in weights], read
+
+
+@needs_native
+@pytest.mark.parametrize('dtype, nesterov', [('float32', False), ('float16', False),
+                                             ('float32', True)])
+def test_lars_takes_weight_norms_from_the_update_that_wrote_the_weights(dtype, nesterov):
+    """The update sums |w|^2 of the weights it writes; the next step uses those sums while
+    nothing else wrote a weight (its engine version is the one the update left), bit for bit
+    what reading the weights gives. A weight written between the steps (in place, through a
+    view, or replaced from numpy) is read again, that one alone."""
+    assert OPS.tracks_versions
+    n = 14
+    want, read = _lars_steps(dtype, tracked=False, nesterov=nesterov)
+    assert read == 5 * n
+    got, read = _lars_steps(dtype, tracked=True, nesterov=nesterov)
+    assert read == n                    # the first step alone
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+    master = dtype == 'float16'         # the norms are those of the master copies then
+
+    def write(step, weights):
+        if step == 1:
+            weights[4][:] = weights[4] * 1.5
+        elif step == 2:
+            view = weights[0][10:20]
+            view += 1
+        elif step == 3:
+            weights[6][:] = np.full(70001, 0.01, dtype)
+    want, _ = _lars_steps(dtype, tracked=False, write=write, nesterov=nesterov)
+    got, read = _lars_steps(dtype, tracked=True, write=write, nesterov=nesterov)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert read == n + (0 if master else 3)
+
+
+@needs_native
+def test_the_engine_version_probe_reads_this_mxnet():
+    """The layout `_compat.track_engine_versions` gives the library passes its probe on the
+    1.9.1 wheel (with oneDNN: the variable after the chunk's oneDNN memory)."""
+    from mx_lbsgd import _compat
+    assert _compat._engine_version_layout() in [(72, 8), (56, 8)]
 
 
 @needs_native
