@@ -908,38 +908,54 @@ def _engine_version_layout() -> Optional[tuple[int, int]]:
     MXNet, or None: each candidate of `track_engine_versions`'s layouts is read through
     ``/proc/self/mem`` (a wrong address fails there instead of crashing) and kept when the
     count moves as MXNet's writes move it: +1 per write of the array, also through a view;
-    unchanged by reads and by writes of another array."""
+    unchanged by a read and by a write of another array. The probe copies to and from the
+    host through MXNet's C API (no operator, no counted host sync: it runs inside the first
+    step that loads the library)."""
     if _VERSION_LAYOUT:
         return _VERSION_LAYOUT[0]
     _VERSION_LAYOUT.append(None)
+    import numpy as np
+    from mxnet.base import NDArrayHandle, _LIB, check_call
     try:
         memory = os.open('/proc/self/mem', os.O_RDONLY)
     except OSError:
         return None
-    try:
-        def word(address: int) -> Optional[int]:
-            try:
-                data = os.pread(memory, 8, address) if address > 0 else b''
-            except (OSError, OverflowError):
-                return None
-            return int.from_bytes(data, sys.byteorder) if len(data) == 8 else None
 
+    def word(address: int) -> Optional[int]:
+        try:
+            data = os.pread(memory, 8, address) if address > 0 else b''
+        except (OSError, OverflowError):
+            return None
+        return int.from_bytes(data, sys.byteorder) if len(data) == 8 else None
+
+    def write(array: mx.nd.NDArray) -> None:      # waits for the array's pending work
+        data = np.ones(array.shape, np.float32)
+        check_call(_LIB.MXNDArraySyncCopyFromCPU(array.handle, data.ctypes.data_as(
+            ctypes.c_void_p), ctypes.c_size_t(data.size)))
+
+    def read(array: mx.nd.NDArray) -> None:
+        data = np.empty(array.shape, np.float32)
+        check_call(_LIB.MXNDArraySyncCopyToCPU(array.handle, data.ctypes.data_as(
+            ctypes.c_void_p), ctypes.c_size_t(data.size)))
+
+    try:
+        a, b = mx.nd.empty((8,)), mx.nd.empty((8,))
+        handle = NDArrayHandle()
+        check_call(_LIB.MXNDArraySlice(a.handle, ctypes.c_uint32(2), ctypes.c_uint32(6),
+                                       ctypes.byref(handle)))
+        view = mx.nd.NDArray(handle)
+        write(b)
         for var_offset in (72, 56):        # with oneDNN, without
             def version(array: mx.nd.NDArray, var_offset: int = var_offset) -> Optional[int]:
                 var = word(_chunk(array) + var_offset)
                 return word(var + 8) if var else None
 
-            a, b = mx.nd.zeros((8,)), mx.nd.zeros((8,))
-            mx.nd.waitall()
             seen = [version(a), version(b)]
-            a[:] = 1
-            a.wait_to_read()
+            write(a)
             seen.append(version(a))
-            (a * 2).wait_to_read()
+            read(a)
             seen.append(version(a))
-            view = a[2:6]
-            view += 1
-            a.wait_to_read()
+            write(view)
             seen += [version(a), version(view), version(b)]
             counts = [v for v in seen if v is not None]
             if len(counts) == len(seen):

@@ -104,7 +104,7 @@ class KernelTrust:
 
     with ``w`` the master copy when there is one and ``c`` the clip coefficient
     (`GradNorm`). The native kernel computes it in its own pass, a group of tensors at a
-    time (`native_attrs`), with each |w|^2 summed by the update that wrote the weight
+    time (`native_attrs`), with each ``|w|^2`` summed by the update that wrote the weight
     while nothing else wrote it since (MXNet's engine version of the array); MXNet's paths
     as a device vector first (`rates`).
 

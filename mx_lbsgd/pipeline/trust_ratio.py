@@ -10,7 +10,7 @@ It multiplies whatever the other multipliers (warmup) give, and costs no host sy
 for a layer with a row_sparse gradient, whose sparse kernel takes lr as a float): the
 kernels get it as a `KernelTrust`. The native CPU kernel computes the norms and the update
 in one call, a group of tensors at a time, so the update reads weights and gradients the
-norms' pass has just brought into the cache, and sums |w|^2 of the weights it writes for
+norms' pass has just brought into the cache, and sums ``|w|^2`` of the weights it writes for
 the next step, which uses those sums while MXNet's engine version of a weight shows that
 nothing else wrote it; MXNet's operators get the rates as a float32
 vector on the device (``multi_sum_sq``, ``multi_lars``, then ``preloaded_multi_sgd_*``).
