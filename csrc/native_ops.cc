@@ -373,7 +373,10 @@ struct SgdArrays {
   size_t weight_index(size_t i) const { return l.mp ? l.masters() + i : i; }
   MXTensor& weight(size_t i) const { return in[weight_index(i)]; }
   MXTensor& grad(size_t i) const { return in[l.grads() + i]; }
-  void update(size_t i, int64_t a, int64_t b, float lr, float wd, float* buffer) const {
+  // kernel(g, mom, w, n) on elements [a, b) of tensor i (a float16 gradient widened into
+  // `buffer` first), then the float16 weights written from the master copy; its result
+  template <typename Kernel>
+  float on_block(size_t i, int64_t a, int64_t b, float* buffer, Kernel kernel) const {
     float* w = weight(i).data<float>() + a;
     float* mom = l.momentum ? in[l.moms() + i].data<float>() + a : nullptr;
     const float* g = grad(i).data<float>() + a;
@@ -381,8 +384,15 @@ struct SgdArrays {
       widen(grad(i).data<_Float16>() + a, buffer, b - a);
       g = buffer;
     }
-    block(h, lr, wd, g, mom, w, b - a);
+    const float result = kernel(g, mom, w, b - a);
     if (l.mp) narrow(w, in[i].data<_Float16>() + a, b - a);
+    return result;
+  }
+  void update(size_t i, int64_t a, int64_t b, float lr, float wd, float* buffer) const {
+    on_block(i, a, b, buffer, [&](const float* g, float* mom, float* w, int64_t n) {
+      block(h, lr, wd, g, mom, w, n);
+      return 0.f;
+    });
   }
   // the same update, returning the tensor_block_sum_sq of the weights it wrote
   float update_sum_sq(size_t i, int64_t a, int64_t b, float lr, float wd, float* buffer) const {
@@ -390,16 +400,9 @@ struct SgdArrays {
       update(i, a, b, lr, wd, buffer);
       return tensor_block_sum_sq(weight(i), a, b, buffer);
     }
-    float* w = weight(i).data<float>() + a;
-    float* mom = l.momentum ? in[l.moms() + i].data<float>() + a : nullptr;
-    const float* g = grad(i).data<float>() + a;
-    if (grad(i).dtype == mxnet::ext::kFloat16) {
-      widen(grad(i).data<_Float16>() + a, buffer, b - a);
-      g = buffer;
-    }
-    const float sum = block_sum_sq(h, lr, wd, g, mom, w, b - a);
-    if (l.mp) narrow(w, in[i].data<_Float16>() + a, b - a);
-    return sum;
+    return on_block(i, a, b, buffer, [&](const float* g, float* mom, float* w, int64_t n) {
+      return block_sum_sq(h, lr, wd, g, mom, w, n);
+    });
   }
 };
 

@@ -24,9 +24,9 @@ the ratio within a round, so that the drift of a shared machine cancels out. Hos
    'lbsgd lars, weights written by another': its weights are lbsgd linear's, which writes
    them between its steps, so its every step reads the weights' norms (the others take
    |w|^2 from the update that wrote the weights). An untimed run of every candidate comes
-   first: in a fresh process, one candidate or another (lbsgd lars in most runs, lbsgd
-   linear once) ran up to 2.5x slower through the whole first run, inside its kernel, and
-   not with MALLOC_MMAP_THRESHOLD_=1000000000 (memory new to the process). Targets: lbsgd
+   first: in a fresh process one candidate or another ran up to 2.5x slower through the
+   whole first run, inside its kernel, and not with MALLOC_MMAP_THRESHOLD_=1000000000
+   (memory new to the process). Targets: lbsgd
    linear / fastest MXNet SGD path <= 0.6; lbsgd lars / lbsgd linear <= 1.6; faster of
    mx.optimizer.LARS(momentum_correction=False, aggregate 4) and MXNet's built-in LBSGD
    lars, divided by lbsgd lars, >= 10 in each of 3 independent runs (fresh optimizers and
@@ -277,6 +277,23 @@ def sweep(dtypes, rounds, steps, seed=0):
     return out
 
 
+def _resnet_run(shapes, weights, grads, dtype, rounds, steps):
+    """One run of the resnet candidates, each on its own copy of `weights` (LARS_SHARED on
+    lbsgd linear's): their timings alone, so that the candidates' memory goes with the run."""
+    own = {name: [w.copy() for w in weights] for name in RESNET_CANDIDATES
+           if name != LARS_SHARED}
+    own[LARS_SHARED] = own['lbsgd linear']
+    cands = [bench_step.Timed(name, make, shapes, own[name], grads)
+             for name, make in RESNET_CANDIDATES.items()
+             if not (name == GLUONNLP and dtype == 'float16')]
+    for c in cands:
+        if c.name == GLUONNLP:
+            _clipping_first(c, grads)
+    interleave(cands, rounds, steps)
+    return [types.SimpleNamespace(name=c.name, rounds=c.rounds, syncs=c.syncs,
+                                  launches=c.launches, steps=c.steps) for c in cands]
+
+
 def resnet(dtypes, rounds, steps, lars_runs=LARS_RUNS, seed=0):
     shapes = resnet50_shapes()
     rng = np.random.RandomState(seed)
@@ -288,25 +305,9 @@ def resnet(dtypes, rounds, steps, lars_runs=LARS_RUNS, seed=0):
         weights = tensors(shapes, dtype, rng)
         grads = tensors(shapes, dtype, rng, 1e-3)
         runs = []
-        for run in range(-1, lars_runs):      # run -1: the untimed warm-up
-            own = {name: [w.copy() for w in weights] for name in RESNET_CANDIDATES
-                   if name != LARS_SHARED}
-            own[LARS_SHARED] = own['lbsgd linear']
-            cands = [bench_step.Timed(name, make, shapes, own[name], grads)
-                     for name, make in RESNET_CANDIDATES.items()
-                     if not (name == GLUONNLP and dtype == 'float16')]
-            for c in cands:
-                if c.name == GLUONNLP:
-                    _clipping_first(c, grads)
-            interleave(cands, 1 if run < 0 else rounds, steps)
-            if run < 0:
-                del own, cands, c
-                continue
-            # the timings alone: the next run's candidates need the memory
-            runs.append([types.SimpleNamespace(name=c.name, rounds=c.rounds, syncs=c.syncs,
-                                               launches=c.launches, steps=c.steps)
-                         for c in cands])
-            del own, cands, c
+        _resnet_run(shapes, weights, grads, dtype, 1, steps)     # the untimed warm-up
+        for run in range(lars_runs):
+            runs.append(_resnet_run(shapes, weights, grads, dtype, rounds, steps))
             ms = {c.name: [r['ms'] for r in c.rounds] for c in runs[-1]}
             log('%-8s run %d: %s' % (dtype, run + 1, '  '.join(
                 '%s %.1f' % (k, statistics.median(v)) for k, v in ms.items())))
