@@ -1440,13 +1440,16 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
     Attrs attrs;
     for (int k = 0; k < num_attrs; ++k) attrs[keys[k]] = values[k];
     int want_in = 0, want_out = num_out;
+    bool shaped = true;
     if (num_out == 0 && pushed.parse(attrs, &want_in, &want_out) == MX_SUCCESS &&
         want_in == num_in) {
-      // outputs nobody reads: their sizes from the operator's shape function
+      // outputs nobody reads: their sizes from the operator's shape function (whose
+      // refusal is the error to report)
       std::vector<std::vector<unsigned>> in_shapes, out_shapes(want_out);
       for (int j = 0; j < num_in; ++j)
         in_shapes.push_back({static_cast<unsigned>(all_sizes[j])});
-      if (pushed.shape(attrs, &in_shapes, &out_shapes) == MX_SUCCESS)
+      shaped = pushed.shape(attrs, &in_shapes, &out_shapes) == MX_SUCCESS;
+      if (shaped)
         for (const auto& shape : out_shapes) {
           int64_t size = 1;
           for (unsigned d : shape) size *= d;
@@ -1464,13 +1467,13 @@ extern "C" __attribute__((visibility("default"))) int mx_lbsgd_push(
       if (kv.first != "lrs" && kv.first != "wds" && kv.first != "steps" &&
           kv.first != "applies")
         key += "|" + kv.first + "=" + kv.second;
-    bool checked;
-    {
+    bool checked = false;
+    if (shaped) {
       std::lock_guard<std::mutex> guard(inputs.checked_lock);
       checked = inputs.checked_key == key;
     }
-    if (!checked && check_pushed(pushed, attrs, num_in, outs, all_sizes.data(),
-                                 all_dtypes.data())) {
+    if (shaped && !checked &&
+        check_pushed(pushed, attrs, num_in, outs, all_sizes.data(), all_dtypes.data())) {
       std::lock_guard<std::mutex> guard(inputs.checked_lock);
       inputs.checked_key = key;
       checked = true;

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import mxnet as mx
 
+from . import _identity
 from .distributed import horovod_exit as _horovod_exit
 
 _T = TypeVar('_T')
@@ -734,25 +735,6 @@ def load_operator_library(path: str, names: tuple[str, ...]) -> dict[str, Callab
     return functions
 
 
-#: the prepared calls `_kept` keeps per cache (the most recent ones)
-_PREPARED_KEPT = 8
-
-
-def _kept(cache: dict, key: Any, arrays: Sequence[mx.nd.NDArray],
-          build: Callable[[], Any]) -> Any:
-    """``build()``, kept in `cache` under `key` while the call passes the same array
-    objects as the call that built it (the last `_PREPARED_KEPT` keys)."""
-    import operator
-    entry = cache.get(key)
-    if entry is None or not all(map(operator.is_, arrays, entry[0])):
-        entry = (list(arrays), build())
-        cache.pop(key, None)
-        while len(cache) >= _PREPARED_KEPT:        # (two threads may race: pop, not del)
-            cache.pop(next(iter(cache), None), None)
-        cache[key] = entry
-    return entry[1]
-
-
 def invoke_prepared(function: Callable[..., Any], arrays: Sequence[mx.nd.NDArray],
                     attrs: Mapping[str, Any], cache: dict) -> None:
     """Call an operator of `load_operator_library` on `arrays` (inputs, updated in place;
@@ -770,7 +752,7 @@ def invoke_prepared(function: Callable[..., Any], arrays: Sequence[mx.nd.NDArray
     for hook in _INVOKE_HOOKS:
         hook(function.op_handle)  # type: ignore[attr-defined]
     key = (function.op_handle.value, len(arrays), id(arrays[0]))  # type: ignore[attr-defined]
-    handles = _kept(cache, key, arrays,
+    handles = _identity.kept(cache, key, arrays,
                     lambda: (NDArrayHandle * len(arrays))(*[a.handle for a in arrays]))
     num_output = ctypes.c_int(0)
     outputs = ctypes.POINTER(NDArrayHandle)()
@@ -851,7 +833,7 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
         return (held, (ctypes.c_int64 * n)(*[a.size for a in arrays]),
                 (ctypes.c_int * n)(*[codes[np.dtype(a.dtype)] for a in arrays]),
                 set(chunks), _EngineContext(1, ctx.device_id))  # Context::kCPU
-    prepared = _kept(cache, ('push', op, len(arrays), id(arrays[0])), arrays, build)
+    prepared = _identity.kept(cache, ('push', op, len(arrays), id(arrays[0])), arrays, build)
     if prepared is None:
         return False
     held, sizes, dtypes, chunks, context = prepared
@@ -1040,7 +1022,7 @@ def host_check_arrays(arrays: Sequence[mx.nd.NDArray], cache: dict) -> Optional[
         return ((ctypes.c_void_p * n)(*[a.handle.value for a in arrays]),
                 (ctypes.c_int64 * n)(*[a.size for a in arrays]),
                 (ctypes.c_int * n)(*[int(a.dtype == np.float16) for a in arrays]))
-    return _kept(cache, ('host_all_finite', len(arrays), id(arrays[0])), arrays, build)
+    return _identity.kept(cache, ('host_all_finite', len(arrays), id(arrays[0])), arrays, build)
 
 
 def host_all_finite(function: Any, prepared: tuple) -> Optional[bool]:

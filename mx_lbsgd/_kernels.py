@@ -21,7 +21,7 @@ import numpy as np
 import mxnet as mx
 from mxnet import nd
 
-from . import _compat, _native
+from . import _compat, _identity, _native
 
 _T = TypeVar('_T')
 #: (accumulators, gradients) of one CPU context, for one native accumulate call
@@ -133,8 +133,8 @@ def total_sum_squares(arrays: Sequence[nd.NDArray]) -> nd.NDArray:
     return parts[0] if len(parts) == 1 else nd.add_n(*parts)
 
 
-#: `total_sum_squares`'s plans: {ids of the arrays: (those arrays, plan)}
-_SUM_SQ_PLANS: Dict[Tuple[int, ...], Tuple[List[nd.NDArray], Any]] = {}
+#: `total_sum_squares`'s plans (`_identity.kept`)
+_SUM_SQ_PLANS: _identity.Cache = {}
 
 
 def _sum_sq_plan(arrays: Sequence[nd.NDArray]
@@ -164,23 +164,14 @@ def by_context(arrays: Sequence[nd.NDArray]) -> List[Tuple[Any, List[nd.NDArray]
     return _planned(_CONTEXT_PLANS, arrays, make)
 
 
-_CONTEXT_PLANS: Dict[Tuple[int, ...], Tuple[List[nd.NDArray], Any]] = {}
+_CONTEXT_PLANS: _identity.Cache = {}
 
 
-def _planned(cache: Dict[Tuple[int, ...], Tuple[List[nd.NDArray], Any]],
-             arrays: Sequence[nd.NDArray], make: Callable[[], _T]) -> _T:
+def _planned(cache: _identity.Cache, arrays: Sequence[nd.NDArray], make: Callable[[], _T]) -> _T:
     """``make()``, kept in `cache` while a call passes the same (dense) array objects; the
     plan of arrays with a sparse one is made every time (its stored values change)."""
-    key = tuple(id(a) for a in arrays)
-    entry = cache.get(key)
-    if entry is not None and all(a is b for a, b in zip(entry[0], arrays)):
-        return entry[1]
-    plan = make()
-    if all(a.stype == 'default' for a in arrays):
-        cache[key] = (list(arrays), plan)
-        if len(cache) > 8:          # bound the cache (changing gradient sets, other models)
-            cache.pop(next(iter(cache)), None)
-    return plan
+    return _identity.kept(cache, (len(arrays), id(arrays[0]) if arrays else None), arrays, make,
+                          keep_if=lambda: all(a.stype == 'default' for a in arrays))
 
 
 def scale_gradients(grads: Sequence[nd.NDArray], coefficient: nd.NDArray) -> List[nd.NDArray]:

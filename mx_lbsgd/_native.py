@@ -125,7 +125,7 @@ def call(function: Callable[..., Any], arrays: Sequence[Any], out: Any,
     return out
 
 
-#: `call`'s prepared inputs (the most recent few; `mx_lbsgd._compat._kept`)
+#: `call`'s prepared inputs (the most recent few; `mx_lbsgd._identity.kept`)
 _CALLS: dict = {}
 
 

@@ -270,6 +270,46 @@ def test_bad_arguments_raise_naming_the_parameter(kwargs, exc, match):
         mx.optimizer.create('lbsgd', **kwargs)
 
 
+@pytest.mark.parametrize('fused', [None, True, False], ids=['routed', 'fused', 'pertensor'])
+@pytest.mark.parametrize('opt, extra', [
+    ('lbsgd', dict(momentum=0.9)), ('lbsgd', dict(momentum=0.9, loss_scaler=8.0)),
+    ('lssgd', dict(momentum=0.9)), ('lblamb', {})], ids=['lbsgd', 'lbsgd-scaled', 'lssgd',
+                                                          'lblamb'])
+@pytest.mark.parametrize('bad', ['size', 'shape'])
+def test_a_gradient_of_another_shape_is_refused_by_name_before_anything_changes(
+        opt, extra, fused, bad):
+    """The compiled kernels see element counts alone, so a (3, 2) gradient of a (2, 3) weight
+    would update without a word: the call is refused, naming the parameter, and leaves
+    weights, states and counts as they were; the right gradients then update as usual."""
+    o = mx.optimizer.create(opt, learning_rate=0.1, fused=fused, **extra)
+    o.idx2name = {0: 'fc_weight', 1: 'fc_bias'}
+    updater = mx.optimizer.get_updater(o)
+    weights = [mx.nd.ones((2, 3)), mx.nd.ones((4,))]
+    grads = [mx.nd.full((2, 3), 0.5), mx.nd.full((4,), 0.5)]
+    updater([0, 1], grads, weights)
+
+    def arrays():
+        def flat(x):
+            if isinstance(x, mx.nd.NDArray):
+                return [x.asnumpy()]
+            return [a for y in (x if isinstance(x, (list, tuple)) else ()) for a in flat(y)]
+        return [w.asnumpy() for w in weights] + flat([updater.states[i] for i in (0, 1)])
+    before = (o.num_update, dict(o._index_update_count), arrays())
+    wrong = (mx.nd.full((3, 2), 0.5), grads[1]) if bad == 'shape' else \
+        (grads[0], mx.nd.full((5,), 0.5))
+    name = 'fc_weight' if bad == 'shape' else 'fc_bias'
+    with pytest.raises(ValueError, match="gradient of parameter '%s' has shape" % name):
+        updater([0, 1], list(wrong), weights)
+    assert (o.num_update, o._index_update_count) == before[:2]
+    after = arrays()
+    assert len(after) == len(before[2]) > 2
+    for a, b in zip(after, before[2]):
+        np.testing.assert_array_equal(a, b)
+    updater([0, 1], grads, weights)
+    assert o.num_update == before[0] + 1
+    assert not np.array_equal(weights[0].asnumpy(), before[2][0])
+
+
 def test_bad_fused_environment_variable(monkeypatch):
     monkeypatch.setenv('MX_LBSGD_FUSED', 'maybe')
     with pytest.raises(ValueError, match="MX_LBSGD_FUSED='maybe'"):

@@ -2,6 +2,8 @@
 the base batch, and a Module run equals the same run under a gluon Trainer on one device bit
 for bit (weights, gains, progress, estimates, window lengths); loss scaling and several
 devices; host reads; checkpoints; updates on the kvstore refused."""
+import warnings
+
 import numpy as np
 import mxnet as mx
 import pytest
@@ -255,3 +257,29 @@ def test_module_updating_on_the_kvstore_is_refused():
     created, naming lr_scaling and the switch."""
     with pytest.raises(ValueError, match="lr_scaling='adascale'.*MXNET_UPDATE_ON_KVSTORE=0"):
         _module('lbsgd', _args('lbsgd', 'adascale', 2), (mx.cpu(0), mx.cpu(1)))
+
+
+@pytest.mark.parametrize('scaled', [False, True], ids=['unscaled', 'loss-scaled'])
+@pytest.mark.parametrize('scale', [1, 4])
+def test_an_optimizer_moved_to_a_module_on_another_device_keeps_estimating(scale, scaled):
+    """The estimates follow the Module's first device: after the optimizer moves on to a
+    Module bound to another device, its updates keep adding samples (at most the switch's
+    first update is not measured), and none waits for the old device's keys."""
+    extra = dict(loss_scaler=mx_lbsgd.DynamicLossScaler(init_scale=8.0)) if scaled else {}
+    first = _module('lbsgd', _args('lbsgd', 'adascale', scale, **extra), (mx.cpu(0),),
+                    scaled=scaled)
+    data = _batches()
+    for _ in range(8 * scale):
+        _module_step(first, *next(data))
+    opt = first._optimizer
+    moments = opt._lr_gain.piece.state.moments
+    samples = moments.samples
+    assert samples > 0
+    second = _module('lbsgd', {}, (mx.cpu(1),), scaled=scaled)
+    second.init_optimizer(optimizer=opt, force_init=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)    # (a held update warns: ran late)
+        for _ in range(8 * scale):
+            _module_step(second, *next(data))
+    assert second._optimizer is opt
+    assert opt._lr_gain.piece.state.moments.samples >= samples + 6

@@ -272,6 +272,42 @@ def test_native_library_can_be_disabled_and_required():
     assert err.returncode != 0 and 'MX_LBSGD_NATIVE must be' in err.stderr
 
 
+EXIT_WITH_PENDING_STEPS = """
+import sys
+import mxnet as mx
+import mx_lbsgd
+kind = sys.argv[1]
+kw = dict(lbsgd=dict(momentum=0.9), clip=dict(momentum=0.9, max_grad_norm=1.0),
+          lars=dict(momentum=0.9, warmup_strategy='lars'), lblamb={},
+          fp16=dict(momentum=0.9, multi_precision=True))[kind]
+shapes = [(1000, 1000)] * 4 + [(1000,)] * 200
+opt = mx.optimizer.create('lblamb' if kind == 'lblamb' else 'lbsgd', learning_rate=0.1,
+                          param_idx2name={i: 'w%d' % i for i in range(len(shapes))}, **kw)
+updater = mx.optimizer.get_updater(opt)
+dtype = 'float16' if kind == 'fp16' else 'float32'
+w = [mx.nd.random.uniform(shape=s, dtype=dtype) for s in shapes]
+g = [mx.nd.random.uniform(shape=s, dtype=dtype) for s in shapes]
+for _ in range(10):
+    updater(list(range(len(shapes))), g, w)
+print(mx_lbsgd.native_library() is not None, flush=True)
+"""
+
+
+@needs_native
+@pytest.mark.parametrize('kind', ['lbsgd', 'clip', 'lars', 'lblamb', 'fp16'])
+def test_the_interpreter_exits_cleanly_with_pushed_steps_pending(kind):
+    """Ten steps of 4M parameters pushed, and the script ends without waiting for them: the
+    engine finishes or drops them and the held arrays are released in MXNet's shutdown
+    without a crash or a hang (exit status 0, nothing on stderr but MXNet's own notes)."""
+    out = subprocess.run([sys.executable, '-c', EXIT_WITH_PENDING_STEPS, kind],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ['True']
+    noise = [line for line in out.stderr.splitlines() if line.strip()
+             and 'graph_executor' not in line]
+    assert not noise, out.stderr[-3000:]
+
+
 @needs_native
 @pytest.mark.horovod
 def test_loads_after_horovods_mxnet_binding():
@@ -806,6 +842,10 @@ def test_a_bad_pushed_call_raises_before_anything_runs():
     with pytest.raises(mx.MXNetError, match='array 6 must be float32'):
         _native.invoke(OPS.sgd_update, arrays[:6] + [a.astype('float16') for a in arrays[6:]],
                        attrs, scratch)
+    # the shape function's own refusal, not a count of outputs the caller did not pass
+    short = arrays[:7] + [arrays[7][:1]] + arrays[8:]
+    with pytest.raises(mx.MXNetError, match='array 7 differs in shape from weight 1$'):
+        _native.invoke(OPS.sgd_update, short, attrs, scratch)
     for a, b in zip(arrays, before):
         np.testing.assert_array_equal(a.asnumpy(), b)
 

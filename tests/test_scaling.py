@@ -98,6 +98,23 @@ def test_missing_parameter_runs_late_with_a_warning():
     assert scaler.total_steps == 3
 
 
+@pytest.mark.parametrize('devices', [['c2'], ['c2', 'c3']], ids=['one-device', 'two-devices'])
+def test_an_optimizer_moved_to_other_devices_decides_each_step_in_time(devices):
+    """After two steps on c0 and c1, the Updater's calls come from other devices (the
+    optimizer moved on to a Module bound elsewhere): the first of them begins a step as the
+    first round does, so no call waits for keys that will not come, and every later step is
+    decided once, over all its gradients."""
+    old = [('c0', [0, 1], []), ('c1', [0, 1], [])]
+    new = [(d, [0, 1], []) for d in devices]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        out, log, scaler = run([old, old, new, new, new])
+    assert [len(runs) for runs in out] == [2, 2, len(devices), len(devices), len(devices)]
+    assert all(applied for runs in out for _, _, applied in runs)
+    assert [len(grads) for grads in log] == [4, 4] + [2] * len(devices) + [2 * len(devices)] * 2
+    assert scaler.total_steps == 5
+
+
 def test_late_gradient_is_checked_on_its_own():
     """A second device whose keys the first step did not announce (Module, first step)
     arrives after the decision: checked alone, its overflow skips only its group."""

@@ -16,7 +16,9 @@ decides once per step instead, with one host read:
   first round, every key whose state the Updater just created (it creates a call's states
   before it updates any of them). A step ends when a key repeats. A gradient that turns up
   after the decision without having been checked (a second device in Module's first step)
-  is checked on its own and, if it overflows, its group is skipped with a warning.
+  is checked on its own and, if it overflows, its group is skipped with a warning. After a
+  decided step, a call on devices that none of the keys so far were on (the optimizer moved
+  on to a Module bound elsewhere) begins a step as the first round does.
 """
 from __future__ import annotations
 
@@ -213,7 +215,15 @@ class StepGate(Generic[C]):
         `scaler` is updated once per step, when the step is decided; `scale` (what the
         gradients carry) is kept in ``self.loss_scale`` then."""
         runs: List[Run[C]] = []
-        if self._boundary or any(k in self._delivered for k in keys):
+        if (not self._boundary and self.skip is not None and not self._pending
+                and self._expected
+                and not {c for c, _ in self._expected | self._delivered} & {c for c, _ in keys}):
+            # after a decided step, a call on devices no key so far was on (an optimizer
+            # moved on to a Module bound elsewhere) begins a step whose keys are learned as in
+            # the first round, instead of a late part of the decided step
+            runs = self._end_step(scaler)
+            self._expected = set()
+        elif self._boundary or any(k in self._delivered for k in keys):
             fresh = self._fresh if self._boundary else None
             runs = self._end_step(scaler)
             self._fresh = fresh

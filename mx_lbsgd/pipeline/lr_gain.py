@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import mxnet as mx
 
@@ -63,6 +63,28 @@ class _Update:
     gain: Optional[float] = None
 
 
+@dataclasses.dataclass
+class _MeasuredDevice:
+    """The device whose micro-batches a Module's estimates take: the first one seen, until
+    another device delivers twice while it does not (the optimizer moved on to a Module
+    bound elsewhere, whose first device it then is)."""
+
+    device: Optional[mx.Context] = None
+    elsewhere: Set[mx.Context] = dataclasses.field(default_factory=set)
+
+    def measures(self, device: mx.Context, early: bool) -> bool:
+        """Whether a micro-batch on `device` is measured; an `early` call and the step's
+        own call that follows it deliver once."""
+        if self.device is None or device in self.elsewhere:
+            self.device = device
+        if device == self.device:
+            self.elsewhere.clear()
+            return True
+        if not early:
+            self.elsewhere.add(device)
+        return False
+
+
 class LrGain:
     """See the module docstring. `piece` holds the rule and its state; `chooser` the
     window choice (``batch_scale='auto'``) or None; `clock` gives host seconds."""
@@ -81,7 +103,7 @@ class LrGain:
         # a checkpoint's previous gradient (difference estimator), for a one-device probe
         self._saved_previous: Optional[Tuple[float, list]] = None
         self._module_early = False
-        self._module_device: Optional[mx.Context] = None
+        self._module_device = _MeasuredDevice()
 
     @property
     def measures(self) -> bool:
@@ -248,9 +270,7 @@ class LrGain:
         example: times 1 / batch_scale). At S = 1, the difference estimator. With a loss
         scaler at S = 1 the gate's finite check calls this `early`, before its flag read,
         which then brings the norms; the step's own call is then a no-op."""
-        if micro and self._module_device is None:
-            self._module_device = micro[0].context
-        if micro and micro[0].context != self._module_device:
+        if micro and not self._module_device.measures(micro[0].context, early):
             return          # another device's copy (the first step decides device by device)
         if self._module_early:      # taken early: the step's own call
             self._module_early = early

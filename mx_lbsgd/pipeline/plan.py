@@ -11,13 +11,12 @@ the group, else to its per-tensor and multi-tensor kernels by tensor size
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import mxnet as mx
 from mxnet import nd
 
-from .. import _kernels
+from .. import _identity, _kernels
 from ..families.base import (GradNorm, Kernel, KernelFamily, KernelTrust, Masters,
                              SparseKernelFamily)
 from .state import StateParts
@@ -60,7 +59,7 @@ class Plan:
 
     def fits(self, state: Sequence[Any]) -> bool:
         """Whether the Updater still holds the state objects this plan was made for."""
-        return all(map(operator.is_, self.state, state))
+        return _identity.same(self.state, state)
 
 
 class PlanCache:
@@ -69,6 +68,8 @@ class PlanCache:
 
     def __init__(self) -> None:
         self._plans: Dict[Any, Plan] = {}
+        # per call signature: the weights and gradients whose shapes were found equal
+        self._checked: Dict[Any, Tuple[List[nd.NDArray], List[nd.NDArray]]] = {}
 
     def get(self, index: List[Any], weight: List[mx.nd.NDArray], grad: List[mx.nd.NDArray],
             state: List[Any], *, family: KernelFamily, trust: Optional[TrustRatio],
@@ -77,6 +78,7 @@ class PlanCache:
         """The plan of this call; `name` gives a parameter's name, `split` its state's parts
         (both validate, so a bad state or name fails before anything runs)."""
         key = (weight[0].context, tuple(index))
+        self._check_shapes(key, index, weight, grad, name)
         plan = self._plans.get(key)
         if plan is not None and plan.fits(state):
             return plan
@@ -87,6 +89,25 @@ class PlanCache:
                          grad=grad, state=state, parts=parts)
         self._plans[key] = plan
         return plan
+
+
+    def _check_shapes(self, key: Any, index: List[Any], weight: List[nd.NDArray],
+                      grad: List[nd.NDArray], name: Callable[[Any], Optional[str]]) -> None:
+        """Refuse a gradient whose shape is not its weight's, before anything changes (the
+        compiled kernels see element counts alone); checked again when the call passes
+        other array objects."""
+        checked = self._checked.get(key)
+        if checked is not None and _identity.same(checked[0], weight) \
+                and _identity.same(checked[1], grad):
+            return
+        if len(grad) != len(weight):
+            raise ValueError('an update call passed %d weights but %d gradients'
+                             % (len(weight), len(grad)))
+        for i, w, g in zip(index, weight, grad):
+            if w.shape != g.shape:
+                raise ValueError('the gradient of parameter %r has shape %s; it must have '
+                                 "its weight's shape %s" % (name(i) or i, g.shape, w.shape))
+        self._checked[key] = (list(weight), list(grad))
 
 
 def make_plan(*, family: KernelFamily, trust: Optional[TrustRatio], fused: Optional[bool],
