@@ -215,18 +215,17 @@ class StepGate(Generic[C]):
         `scaler` is updated once per step, when the step is decided; `scale` (what the
         gradients carry) is kept in ``self.loss_scale`` then."""
         runs: List[Run[C]] = []
-        if (not self._boundary and self.skip is not None and not self._pending
-                and self._expected
-                and not {c for c, _ in self._expected | self._delivered} & {c for c, _ in keys}):
+        if self._boundary or any(k in self._delivered for k in keys):
+            fresh = self._fresh if self._boundary else None
+            runs = self._end_step(scaler)
+            self._fresh = fresh
+        elif (self.skip is not None and not self._pending and self._expected
+              and not {c for c, _ in self._expected | self._delivered} & {c for c, _ in keys}):
             # after a decided step, a call on devices no key so far was on (an optimizer
             # moved on to a Module bound elsewhere) begins a step whose keys are learned as in
             # the first round, instead of a late part of the decided step
             runs = self._end_step(scaler)
             self._expected = set()
-        elif self._boundary or any(k in self._delivered for k in keys):
-            fresh = self._fresh if self._boundary else None
-            runs = self._end_step(scaler)
-            self._fresh = fresh
         self._delivered.update(keys)
         self._awaiting.difference_update(keys)
         self._pending.append((grads, call))

@@ -90,7 +90,6 @@ class PlanCache:
         self._plans[key] = plan
         return plan
 
-
     def _check_shapes(self, key: Any, index: List[Any], weight: List[nd.NDArray],
                       grad: List[nd.NDArray], name: Callable[[Any], Optional[str]]) -> None:
         """Refuse a gradient whose shape is not its weight's, before anything changes (the
