@@ -74,11 +74,13 @@ class PlanCache:
     def get(self, index: List[Any], weight: List[mx.nd.NDArray], grad: List[mx.nd.NDArray],
             state: List[Any], *, family: KernelFamily, trust: Optional[TrustRatio],
             fused: Optional[bool], name: Callable[[Any], Optional[str]],
-            split: Callable[[mx.nd.NDArray, Any], StateParts]) -> Plan:
+            split: Callable[[mx.nd.NDArray, Any], StateParts],
+            check_shapes: bool = False) -> Plan:
         """The plan of this call; `name` gives a parameter's name, `split` its state's parts
         (both validate, so a bad state or name fails before anything runs)."""
+        if check_shapes:
+            self.check_shapes(index, weight, grad, name)
         key = (weight[0].context, tuple(index))
-        self._check_shapes(key, index, weight, grad, name)
         plan = self._plans.get(key)
         if plan is not None and plan.fits(state):
             return plan
@@ -90,11 +92,12 @@ class PlanCache:
         self._plans[key] = plan
         return plan
 
-    def _check_shapes(self, key: Any, index: List[Any], weight: List[nd.NDArray],
-                      grad: List[nd.NDArray], name: Callable[[Any], Optional[str]]) -> None:
+    def check_shapes(self, index: List[Any], weight: List[nd.NDArray], grad: List[nd.NDArray],
+                     name: Callable[[Any], Optional[str]]) -> None:
         """Refuse a gradient whose shape is not its weight's, before anything changes (the
-        compiled kernels see element counts alone); checked again when the call passes
-        other array objects."""
+        compiled kernels see element counts alone; `name` gives a parameter's name);
+        checked again when the call passes other array objects."""
+        key = (weight[0].context, tuple(index))
         checked = self._checked.get(key)
         if checked is not None and _identity.same(checked[0], weight) \
                 and _identity.same(checked[1], grad):

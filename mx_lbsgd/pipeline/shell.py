@@ -299,7 +299,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     def update_multi_precision(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
         if not isinstance(index, (list, tuple)):
             index, weight, grad, state = [index], [weight], [grad], [state]
-        self._plan(index, weight, grad, state)    # validates states and names first
+        self._plan(index, weight, grad, state, check_shapes=True)    # validates first
         if self._step_window is False:
             self._count_micro_batch(index)      # summed at the Trainer; nothing to apply yet
             self._ledger.last_step_skipped = False
@@ -378,12 +378,13 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
         return _graph_scale.gradient_scale(cast(DynamicLossScaler, self.loss_scaler),
                                            self.scale_key, gluon=bool(self.param_dict))
 
-    def _plan(self, index: List[Any], weight: List[mx.nd.NDArray],
-              grad: List[mx.nd.NDArray], state: List[Any]) -> Plan:
-        """The plan of this call signature (`plan.PlanCache`)."""
+    def _plan(self, index: List[Any], weight: List[mx.nd.NDArray], grad: List[mx.nd.NDArray],
+              state: List[Any], check_shapes: bool = False) -> Plan:
+        """The plan of this call signature (`plan.PlanCache`); `check_shapes` for a call
+        from the Updater (`plan.PlanCache.check_shapes`)."""
         return self._plans.get(index, weight, grad, state, family=self._family,
                                trust=self._trust, fused=self.fused, name=self._name,
-                               split=self.split_state)
+                               split=self.split_state, check_shapes=check_shapes)
 
     # -- pickling (Trainer.save_states, kvstore servers, copies) --------------------------
     def __getstate__(self) -> Dict[str, Any]:
