@@ -35,7 +35,9 @@ the ratio within a round, so that the drift of a shared machine cancels out. Hos
    scaler (static scale 1: the norm's pass is then the finite check), against the GluonNLP recipe
    (gluon.utils.clip_global_norm(grads, 1.0) on its own copy of the gradients, then
    MXNet's SGD, aggregate 4; float32 only: clip_global_norm squares with dot, which has no
-   float16 kernel on CPU).
+   float16 kernel on CPU). 'the norm alone (GlobalNormClip.measure)' times the clipping
+   norm of the gradients and nothing else (mx_lbsgd.pipeline.GlobalNormClip(1.0).measure),
+   what the unscaled clipped step adds: a note sets it beside clipped / unclipped - 1.
 3. loss-scale: gluon.Trainer steps (update_on_kvstore=False, SGD momentum 0.9, wd 1e-4) on a
    small model (20 float32 tensors, 96,960 parameters) and on ResNet-50's shapes: plain
    'sgd'; 'lssgd' with loss_scaler=1024.0; 'sgd' + mx_lbsgd.LossScaling(trainer, 1024.0,
@@ -57,6 +59,7 @@ from mxnet import gluon
 
 import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs, count_kernel_launches
+from mx_lbsgd.pipeline import GlobalNormClip
 from mx_lbsgd_demo.args import (Parser, UsageError, check_output_option, number, require_demo,
                                 require_plot_file)
 from . import bench_step
@@ -132,8 +135,10 @@ RESNET_CANDIDATES = {
     'lbsgd linear + loss scaler': lbsgd(loss_scaler=1.0),
     'lbsgd linear + loss scaler + clip 1.0': lbsgd(loss_scaler=1.0, max_grad_norm=1.0),
     'GluonNLP clip + mxnet SGD (aggregate 4)': mxnet_sgd(4),
+    'the norm alone (GlobalNormClip.measure)': lbsgd(),
 }
 GLUONNLP = 'GluonNLP clip + mxnet SGD (aggregate 4)'
+NORM_ALONE = 'the norm alone (GlobalNormClip.measure)'
 
 
 def _clipping_first(cand, grads):
@@ -146,6 +151,15 @@ def _clipping_first(cand, grads):
         gluon.utils.clip_global_norm(own, 1.0)
         updater(index, own, weights)
     cand.updater = step
+    return cand
+
+
+def _norm_alone(cand, grads):
+    """Make `cand` (a bench_step.Timed) measure the clipping norm of `grads` and nothing
+    else: what a clipped step adds to an unclipped one when nothing earlier reads the
+    gradients (no loss scaler, no window)."""
+    clip = GlobalNormClip(1.0)
+    cand.updater = lambda index, _grads, weights: clip.measure(grads, 1.0)
     return cand
 
 
@@ -289,6 +303,8 @@ def _resnet_run(shapes, weights, grads, dtype, rounds, steps):
     for c in cands:
         if c.name == GLUONNLP:
             _clipping_first(c, grads)
+        elif c.name == NORM_ALONE:
+            _norm_alone(c, grads)
     interleave(cands, rounds, steps)
     return [types.SimpleNamespace(name=c.name, rounds=c.rounds, syncs=c.syncs,
                                   launches=c.launches, steps=c.steps) for c in cands]
@@ -337,6 +353,11 @@ def resnet(dtypes, rounds, steps, lars_runs=LARS_RUNS, seed=0):
             value = ratio(pooled[base + ' + clip 1.0'], [pooled[base]])
             out['targets'].append(dict(dtype=dtype, what='%s + clip 1.0 / %s' % (base, base),
                                        value=value, target='<= 1.15', met=value <= 1.15))
+        linear = [pooled['lbsgd linear']]
+        out['notes'].append('%s: %s / lbsgd linear = %.2f (lbsgd linear + clip 1.0 / lbsgd '
+                            'linear = 1 + %.2f)' % (
+                                dtype, NORM_ALONE, ratio(pooled[NORM_ALONE], linear),
+                                ratio(pooled['lbsgd linear + clip 1.0'], linear) - 1))
         if GLUONNLP in pooled:
             value = ratio(pooled['lbsgd linear + clip 1.0'], [pooled[GLUONNLP]])
             out['notes'].append('%s: lbsgd linear + clip 1.0 / %s = %.2f'
