@@ -753,7 +753,7 @@ def invoke_prepared(function: Callable[..., Any], arrays: Sequence[mx.nd.NDArray
         hook(function.op_handle)  # type: ignore[attr-defined]
     key = (function.op_handle.value, len(arrays), id(arrays[0]))  # type: ignore[attr-defined]
     handles = _identity.kept(cache, key, arrays,
-                    lambda: (NDArrayHandle * len(arrays))(*[a.handle for a in arrays]))
+                             lambda: (NDArrayHandle * len(arrays))(*[a.handle for a in arrays]))
     num_output = ctypes.c_int(0)
     outputs = ctypes.POINTER(NDArrayHandle)()
     stypes = ctypes.POINTER(ctypes.c_int)()
