@@ -292,11 +292,12 @@ def sweep(dtypes, rounds, steps, seed=0):
 
 
 def _resnet_run(shapes, weights, grads, dtype, rounds, steps):
-    """One run of the resnet candidates, each on its own copy of `weights` (LARS_SHARED on
-    lbsgd linear's): their timings alone, so that the candidates' memory goes with the run."""
+    """One run of the resnet candidates, each on its own copy of `weights` (LARS_SHARED and
+    NORM_ALONE on lbsgd linear's): their timings alone, so that the candidates' memory goes
+    with the run."""
     own = {name: [w.copy() for w in weights] for name in RESNET_CANDIDATES
-           if name != LARS_SHARED}
-    own[LARS_SHARED] = own['lbsgd linear']
+           if name not in (LARS_SHARED, NORM_ALONE)}
+    own[LARS_SHARED] = own[NORM_ALONE] = own['lbsgd linear']     # (the norm reads no weight)
     cands = [bench_step.Timed(name, make, shapes, own[name], grads)
              for name, make in RESNET_CANDIDATES.items()
              if not (name == GLUONNLP and dtype == 'float16')]

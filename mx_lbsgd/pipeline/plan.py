@@ -77,10 +77,11 @@ class PlanCache:
             split: Callable[[mx.nd.NDArray, Any], StateParts],
             check_shapes: bool = False) -> Plan:
         """The plan of this call; `name` gives a parameter's name, `split` its state's parts
-        (both validate, so a bad state or name fails before anything runs)."""
-        if check_shapes:
-            self.check_shapes(index, weight, grad, name)
+        (both validate, so a bad state or name fails before anything runs); `check_shapes`:
+        refuse a gradient whose shape is not its weight's first."""
         key = (weight[0].context, tuple(index))
+        if check_shapes:
+            self._check_shapes(key, index, weight, grad, name)
         plan = self._plans.get(key)
         if plan is not None and plan.fits(state):
             return plan
@@ -92,12 +93,11 @@ class PlanCache:
         self._plans[key] = plan
         return plan
 
-    def check_shapes(self, index: List[Any], weight: List[nd.NDArray], grad: List[nd.NDArray],
-                     name: Callable[[Any], Optional[str]]) -> None:
+    def _check_shapes(self, key: Any, index: List[Any], weight: List[nd.NDArray],
+                      grad: List[nd.NDArray], name: Callable[[Any], Optional[str]]) -> None:
         """Refuse a gradient whose shape is not its weight's, before anything changes (the
         compiled kernels see element counts alone; `name` gives a parameter's name);
         checked again when the call passes other array objects."""
-        key = (weight[0].context, tuple(index))
         checked = self._checked.get(key)
         if checked is not None and _identity.same(checked[0], weight) \
                 and _identity.same(checked[1], grad):

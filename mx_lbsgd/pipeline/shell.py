@@ -381,7 +381,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressV
     def _plan(self, index: List[Any], weight: List[mx.nd.NDArray], grad: List[mx.nd.NDArray],
               state: List[Any], check_shapes: bool = False) -> Plan:
         """The plan of this call signature (`plan.PlanCache`); `check_shapes` for a call
-        from the Updater (`plan.PlanCache.check_shapes`)."""
+        from the Updater."""
         return self._plans.get(index, weight, grad, state, family=self._family,
                                trust=self._trust, fused=self.fused, name=self._name,
                                split=self.split_state, check_shapes=check_shapes)
