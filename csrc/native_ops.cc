@@ -70,7 +70,17 @@ namespace {
 constexpr int64_t kBlock = 2048;           // elements summed in float before adding to double
 constexpr int64_t kParallelMin = 1 << 15;  // smaller jobs run on one thread
 
+// The hot loops in two variants, picked per CPU when the library loads: AVX2 (x86-64-v3,
+// with FMA available but never contracted into: -ffp-contract=off) and the baseline. A build
+// with -DMX_LBSGD_VARIANT_V3 or -DMX_LBSGD_VARIANT_BASELINE has only that one, so that a test
+// can run each variant's rounding on any CPU that has AVX2 (tests/test_rounding.py).
+#if defined(MX_LBSGD_VARIANT_V3)
+#define HOT __attribute__((target("arch=x86-64-v3")))
+#elif defined(MX_LBSGD_VARIANT_BASELINE)
+#define HOT
+#else
 #define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
 
 // float16 <-> float32 a block at a time: GCC 12 does not vectorise _Float16 conversions,
 // so F16C intrinsics do it where the CPU has them (MXNet's own wheel is built without)
@@ -101,13 +111,71 @@ void narrow(const float* x, _Float16* y, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] = static_cast<_Float16>(x[k]);
 }
 
+// A float parameter of an MXNet operator as MXNet 1.9.1 reads it. dmlc-core's parameter
+// parser (dmlc::strtof, used for every `float` field such as nag_mom_update's lr, wd,
+// momentum and rescale_grad) is not correctly rounded: it adds the integer part (as a float)
+// to the fraction (its up to 19 digits divided in double, then rounded to float), and
+// scales by a power of ten built in float (1e8 and 10 factors), each step rounding in float.
+// For about one decimal in eight it lands one ulp away from strtof ("6.24e-07": 6.2399995e-07
+// against 6.24e-07). Tuple fields (multi_sgd_*'s lrs, wds) go through std::istream, which is
+// correctly rounded (`field_float`'s sibling `tuple_float`). The kernels read each value as
+// the MXNet operator they reproduce reads it, so their results are that operator's bit for bit.
+float field_float(const char* text) {
+  const char* p = text;
+  while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r' || *p == '\f') ++p;
+  const bool negative = *p == '-';
+  if (*p == '-' || *p == '+') ++p;
+  const char lower = static_cast<char>(*p | 32);
+  if (lower == 'i' || lower == 'n') return std::strtof(text, nullptr);   // inf, nan: the same
+  uint64_t whole = 0;
+  for (; *p >= '0' && *p <= '9'; ++p) whole = whole * 10u + static_cast<uint64_t>(*p - '0');
+  float value = static_cast<float>(whole);
+  if (*p == '.') {
+    uint64_t digits = 0, scale = 1;
+    int count = 0;
+    for (++p; *p >= '0' && *p <= '9'; ++p, ++count)
+      if (count < 19) {          // later digits are ignored
+        digits = digits * 10u + static_cast<uint64_t>(*p - '0');
+        scale *= 10u;
+      }
+    value += static_cast<float>(static_cast<double>(digits) / static_cast<double>(scale));
+  }
+  if (*p == 'e' || *p == 'E') {
+    ++p;
+    const bool down = *p == '-';
+    if (*p == '-' || *p == '+') ++p;
+    unsigned exponent = 0;
+    for (; *p >= '0' && *p <= '9'; ++p) exponent = exponent * 10u + static_cast<unsigned>(*p - '0');
+    if (exponent > 38u) exponent = 38u;
+    if (exponent == 38u) {       // at the largest exponent the significand is clamped too
+      const float most = 3.402823466f, least = 1.175494351f;
+      if (!down && value > most) value = most;
+      if (down && value < least) value = least;
+    }
+    float power = 1.f;
+    for (; exponent >= 8u; exponent -= 8u) power *= 1e8f;
+    for (; exponent > 0u; --exponent) power *= 10.f;
+    value = down ? value / power : value * power;
+  }
+  return negative ? -value : value;
+}
+
+// a tuple entry as MXNet reads it (std::istream >> float: strtof, correctly rounded)
+float tuple_float(const char* text) { return std::strtof(text, nullptr); }
+
+// attribute `key` as an MXNet float field (`field_float`)
+float field_attr(const Attrs& attrs, const char* key) {
+  return field_float(attrs.at(key).c_str());
+}
+
 // the n comma-separated numbers of attribute `key` of operator `op` (named in the error),
-// or false
+// or false; `parse` reads each one (default: the double it denotes)
 bool parse_list(const char* op, const Attrs& attrs, const char* key, size_t n,
-                std::vector<double>* out) {
+                std::vector<double>* out, float (*parse)(const char*) = nullptr) {
   std::stringstream in(attrs.at(key));
   std::string item;
-  while (std::getline(in, item, ',')) out->push_back(std::strtod(item.c_str(), nullptr));
+  while (std::getline(in, item, ','))
+    out->push_back(parse ? parse(item.c_str()) : std::strtod(item.c_str(), nullptr));
   if (out->size() == n) return true;
   MX_ERROR_MSG << op << ": " << key << " needs " << n << " values, got " << out->size();
   return false;
@@ -617,7 +685,7 @@ struct SgdCall {
   SgdLayout l;
   std::vector<double> lrs, wds, applies;
   SgdHyper h;
-  bool nesterov;
+  bool nesterov, per_tensor;
   float norm_factor, max_grad_norm, norm_eps;   // has_norm
   LarsHyper lars;                               // lars (coefficient set when it runs)
 };
@@ -626,13 +694,18 @@ bool sgd_prepare(const Attrs& attrs, SgdCall* call) {
   const char* op = "mx_lbsgd_sgd_update";
   call->l = sgd_layout(attrs);
   const size_t n = call->l.n;
-  if (!parse_list(op, attrs, "lrs", n, &call->lrs) || !parse_list(op, attrs, "wds", n, &call->wds))
+  const bool nesterov = attrs.count("nesterov") && std::stoi(attrs.at("nesterov")) != 0;
+  call->nesterov = call->l.momentum && nesterov;
+  // MXNet's NAG runs nag_mom_update, or sgd_update without momentum (per-tensor operators,
+  // float fields); its SGD the multi_sgd_* operators (lrs and wds as tuples)
+  call->per_tensor = nesterov && !call->l.preloaded && !call->l.lars;
+  float (*const rate)(const char*) = call->per_tensor ? field_float : tuple_float;
+  if (!parse_list(op, attrs, "lrs", n, &call->lrs, rate) ||
+      !parse_list(op, attrs, "wds", n, &call->wds, rate))
     return false;
-  call->h.momentum = std::stof(attrs.at("momentum"));
-  call->h.rescale = std::stof(attrs.at("rescale_grad"));
-  call->h.clip = std::stof(attrs.at("clip_gradient"));
-  call->nesterov = call->l.momentum && attrs.count("nesterov") &&
-                   std::stoi(attrs.at("nesterov")) != 0;
+  call->h.momentum = field_attr(attrs, "momentum");
+  call->h.rescale = field_attr(attrs, "rescale_grad");
+  call->h.clip = field_attr(attrs, "clip_gradient");
   if (call->l.norm) {
     call->norm_factor = std::stof(attrs.at("norm_factor"));
     call->max_grad_norm = std::stof(attrs.at("max_grad_norm"));
@@ -643,7 +716,7 @@ bool sgd_prepare(const Attrs& attrs, SgdCall* call) {
     LarsHyper& lars = call->lars;
     lars.eta = attr_float(attrs, "eta");
     lars.eps = attr_float(attrs, "eps");
-    lars.rescale = attr_float(attrs, "rescale_grad");
+    lars.rescale = field_attr(attrs, "rescale_grad");
     lars.lower = attr_float(attrs, "lars_min");
     lars.upper = attr_float(attrs, "lars_max");
     lars.direct = std::stoi(attrs.at("lars_direct")) != 0;
@@ -666,12 +739,11 @@ void sgd_execute(SgdCall& call, std::vector<MXTensor>& in, float* out,
     h.rescale *= coefficient;
   }
   const float* lr_vector = l.preloaded ? in[l.lr_vector()].data<float>() : nullptr;
-  // the preloaded (LARS) kernels and momentum use the multi_sgd form; plain per-tensor
-  // sgd_update its own
+  // NAG's operators (nag_mom_update; sgd_update without momentum), else the multi_sgd form
   const SgdBlock block = call.nesterov ? (h.clip >= 0.f ? nag_block<true> : nag_block<false>)
       : l.momentum ? pick_sgd_block<true, true>(h.clip >= 0.f)
-      : l.preloaded || l.lars ? pick_sgd_block<false, true>(h.clip >= 0.f)
-                    : pick_sgd_block<false, false>(h.clip >= 0.f);
+      : call.per_tensor ? pick_sgd_block<false, false>(h.clip >= 0.f)
+                        : pick_sgd_block<false, true>(h.clip >= 0.f);
   const SgdBlockSumSq block_sum_sq = call.nesterov ? nullptr
       : l.momentum ? pick_sgd_block_sum_sq<true, true>(h.clip >= 0.f)
                    : pick_sgd_block_sum_sq<false, true>(h.clip >= 0.f);
@@ -985,7 +1057,7 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 //              float16 g: g = half((acc + factor * g) * mean_factor)
 // The arithmetic is that of the MXNet operators the fallback runs (_mul_scalar, Cast,
 // sgd_update with lr=-1 as an axpy, and for float32 means sgd_update with the lr and wd
-// the caller computes), bit for bit.
+// the caller computes), bit for bit, with each attribute read as that operator reads it.
 // check_finite=1: the output is mx_lbsgd_all_finite's flag of the gradients as read (before
 // mode 2 overwrites them), tested on each block's bits while the block is in cache, so the
 // finite check of a micro-batch costs no pass and no call of its own. Every element is
@@ -1073,9 +1145,16 @@ MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
   const size_t n = in->size() / 2;
   AccumulateHyper h;
   h.mode = std::stoi(attrs.at("mode"));
-  h.factor = float_attr(attrs, "factor");
-  h.lr = float_attr(attrs, "lr");
-  h.wd = float_attr(attrs, "wd");
+  // each value as the operator of the fallback that takes it reads it: _mul_scalar's
+  // scalar (mode 0's factor, mean_factor) correctly rounded, sgd_update's float fields
+  // (the axpy's rescale_grad, the float32 mean's lr and wd) as `field_float`
+  const auto field = [&attrs](const char* key) {
+    const auto it = attrs.find(key);
+    return it == attrs.end() ? 0.f : field_float(it->second.c_str());
+  };
+  h.factor = h.mode == 0 ? float_attr(attrs, "factor") : field("factor");
+  h.lr = field("lr");
+  h.wd = field("wd");
   h.mean_factor = float_attr(attrs, "mean_factor");
   const auto check = attrs.find("check_finite");
   const bool check_finite = check != attrs.end() && std::stoi(check->second) != 0;
@@ -1535,6 +1614,11 @@ extern "C" __attribute__((visibility("default"))) void mx_lbsgd_track_versions(
     int64_t var_offset, int64_t version_offset) {
   g_version_offset = version_offset;
   g_var_offset = var_offset;
+}
+
+// an MXNet float parameter's text as MXNet reads it (`field_float`), for the tests
+extern "C" __attribute__((visibility("default"))) float mx_lbsgd_field_float(const char* text) {
+  return field_float(text);
 }
 
 extern "C" __attribute__((visibility("default"))) int64_t mx_lbsgd_weight_norms_read() {

@@ -319,26 +319,36 @@ def test_loads_after_horovods_mxnet_binding():
     assert out.returncode == 0 and out.stdout.split() == ['True'], out.stderr[-2000:]
 
 
-def _mxnet_sgd(preloaded, mp, momentum, w, g, m, w32, lr, wd, kwargs):
-    """MXNet's own operator for one tensor, updating w (and m, w32) in place."""
-    if preloaded:
-        name = 'preloaded_multi_%ssgd_%supdate' % ('mp_' if mp else '', 'mom_' if momentum else '')
-        tensors = [w, g] + ([m] if momentum else []) + ([w32] if mp else [])
-        getattr(nd, name)(*tensors, nd.array([lr]), nd.array([wd]), out=[w], num_weights=1,
-                          **kwargs)
-        return
-    name = '%ssgd_%supdate' % ('mp_' if mp else '', 'mom_' if momentum else '')
+def _mxnet_sgd(preloaded, mp, momentum, w, g, m, w32, lr, wd, kwargs, per_tensor=False):
+    """MXNet's own operator for one tensor, updating w (and m, w32) in place: SGD's
+    multi-tensor operator (its preloaded form with device rates), or with `per_tensor` the
+    per-tensor one NAG runs without momentum."""
     tensors = [w, g] + ([m] if momentum else []) + ([w32] if mp else [])
-    getattr(nd, name)(*tensors, out=w, lr=lr, wd=wd, **kwargs)
+    kind = '%ssgd_%supdate' % ('mp_' if mp else '', 'mom_' if momentum else '')
+    if preloaded:
+        getattr(nd, 'preloaded_multi_' + kind)(*tensors, nd.array([lr]), nd.array([wd]),
+                                               out=[w], num_weights=1, **kwargs)
+    elif per_tensor:
+        getattr(nd, kind)(*tensors, out=w, lr=lr, wd=wd, **kwargs)
+    else:
+        getattr(nd, 'multi_' + kind)(*tensors, out=[w], num_weights=1, lrs=(lr,), wds=(wd,),
+                                     **kwargs)
 
 
 @needs_native
 @pytest.mark.parametrize('preloaded', [pytest.param(False, id='lrs'),
-                                       pytest.param(True, id='lr-vector')])
+                                       pytest.param(True, id='lr-vector'),
+                                       pytest.param(None, id='nag-nomom')])
 @pytest.mark.parametrize('mp', [pytest.param(False, id='fp32'), pytest.param(True, id='fp16mp')])
 @pytest.mark.parametrize('momentum', [pytest.param(0.0, id='nomom'), pytest.param(0.9, id='mom')])
 @pytest.mark.parametrize('clip', [pytest.param(None, id='noclip'), pytest.param(0.3, id='clip')])
 def test_sgd_update_is_mxnets_arithmetic_bit_for_bit(preloaded, mp, momentum, clip):
+    """SGD's multi_sgd_* (and preloaded_multi_sgd_*) operators; with nesterov=1 and no
+    momentum NAG's sgd_update (preloaded=None here)."""
+    per_tensor = preloaded is None
+    if per_tensor and momentum:
+        pytest.skip('NAG with momentum is test_nesterov.py\'s nag_mom_update test')
+    preloaded = bool(preloaded)
     dtype = 'float16' if mp else 'float32'
     w0, g0 = _arrays(dtype, 5), _arrays(dtype, 6)
     m0 = _arrays('float32', 7, low=-0.1)
@@ -354,11 +364,11 @@ def test_sgd_update_is_mxnets_arithmetic_bit_for_bit(preloaded, mp, momentum, cl
     OPS.sgd_update(*arrays, num_tensors=len(w0), has_momentum=int(bool(momentum)),
                    momentum=momentum, multi_precision=int(mp), preloaded=int(preloaded),
                    lrs=','.join(map(repr, lrs)), wds=','.join(map(repr, wds)),
-                   rescale_grad=0.37, clip_gradient=clip or -1.0)
+                   rescale_grad=0.37, clip_gradient=clip or -1.0, nesterov=int(per_tensor))
     for i in range(len(w0)):
         w, g = nd.array(w0[i], dtype=dtype), nd.array(g0[i], dtype=dtype)
         m, w32 = nd.array(m0[i]), nd.array(w0[i].astype(np.float32))
-        _mxnet_sgd(preloaded, mp, momentum, w, g, m, w32, lrs[i], wds[i], kwargs)
+        _mxnet_sgd(preloaded, mp, momentum, w, g, m, w32, lrs[i], wds[i], kwargs, per_tensor)
         np.testing.assert_array_equal(ours['w'][i].asnumpy(), w.asnumpy())
         if momentum:
             np.testing.assert_array_equal(ours['m'][i].asnumpy(), m.asnumpy())
@@ -947,8 +957,18 @@ def _window_sequence(accs, grads_per_micro, factor, scratch):
 
 
 @needs_native
+def _sgd_update_reads(value):
+    """The float32 that sgd_update takes for rescale_grad=`value` (MXNet reads a float
+    parameter with dmlc-core's own parser, not always as numpy's float32(value) rounds)."""
+    weight = nd.zeros(1)
+    nd.sgd_update(weight, -nd.ones(1), out=weight, lr=1.0, wd=0.0, rescale_grad=value)
+    return weight.asnumpy()[0]
+
+
+# 1/49152 (a batch of 4096 in windows of 12): sgd_update reads it one ulp off float32's
 @pytest.mark.parametrize('factor', [pytest.param(1.0, id='factor1'),
-                                    pytest.param(0.37, id='factor0.37')])
+                                    pytest.param(0.37, id='factor0.37'),
+                                    pytest.param(1 / 49152, id='factor1/49152')])
 @pytest.mark.parametrize('dtypes', [pytest.param(('float32',), id='fp32'),
                                     pytest.param(('float16',), id='fp16'),
                                     pytest.param(('float16', 'float32'), id='mixed')])
@@ -969,14 +989,17 @@ def test_accumulate_is_the_per_tensor_paths_bits_and_numpy(monkeypatch, dtypes, 
         for a, b in zip(stage_native, stage_mxnet):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
-    # numpy, in float32 arithmetic for the sums and float64 for the mean
-    f = np.float32(factor)
+    # numpy, in float32 arithmetic for the sums and float64 for the mean; the first
+    # micro-batch scaled as _mul_scalar reads the factor, the others as sgd_update does
+    f, f_add = np.float32(factor), np.float32(_sgd_update_reads(factor))
+    if factor == 1 / 49152:
+        assert f_add != f
     grads = [[g.asnumpy().astype(np.float32) for g in grads] for grads in copies[:-1]]
     acc = [g * f for g in grads[0]]
     np.testing.assert_array_equal(np.concatenate([a.ravel() for a in acc]),
                                   np.concatenate([a.ravel() for a in native[0]]))
     for k in range(1, B - 1):
-        acc = [a + f * g for a, g in zip(acc, grads[k])]
+        acc = [a + f_add * g for a, g in zip(acc, grads[k])]
         for a, b in zip(acc, native[k]):
             np.testing.assert_array_equal(a, b)
     for i, got in enumerate(native[-1]):

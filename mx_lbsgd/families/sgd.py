@@ -22,8 +22,13 @@ NAG's momentum term decays with the new weight: MXNet's kernel writes the weight
 before it reads it again for the momentum, and every kernel here keeps that order, so
 ``nesterov=True`` gives MXNet's ``'nag'`` bit for bit. MXNet has no multi-tensor or
 preloaded (device learning rate) NAG operator: with ``nesterov`` the multi-tensor path runs
-``nag_mom_update`` per tensor, and device rates (LARS, clipping) run the rule above as
-elementwise operators.
+``nag_mom_update`` (``sgd_update`` without momentum) per tensor, and device rates (LARS,
+clipping) run the rule above as elementwise operators. Without ``nesterov`` every path runs
+SGD's ``multi_sgd_*`` operators (one tensor a call on the per-tensor path), as MXNet's
+``'sgd'`` does: MXNet reads the rates of those as correctly rounded tuples, but a per-tensor
+operator's ``lr`` with its own parser, one float32 ulp off for some values
+(``tests/test_rounding.py``); the native kernel reads each value as the operator it
+reproduces.
 
 ``c`` is 1, or with global-norm clipping the `GradNorm` coefficient: the native kernel
 multiplies its rescale_grad by it; MXNet's operators take ``lr * c`` and ``wd / c`` as
@@ -117,13 +122,14 @@ def _single_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters
         target = w if (w32 is None or native) else w32
         tensors = [target, g] + ([] if m is None else [m]) + ([w32] if native else [])
         nag = nesterov and m is not None
-        if lr_vector is None:
-            op = {(False, False): nd.sgd_update, (False, True): nd.sgd_mom_update,
+        if lr_vector is None and nesterov:      # NAG's operators
+            op = {(False, False): nd.sgd_update, (False, True): nd.nag_mom_update,
                   (True, False): nd.mp_sgd_update,
-                  (True, True): nd.mp_sgd_mom_update}[(native, m is not None)]
-            if nag:
-                op = nd.mp_nag_mom_update if native else nd.nag_mom_update
+                  (True, True): nd.mp_nag_mom_update}[(native, m is not None)]
             op(*tensors, out=target, lr=lrs[i], wd=wds[i], **kwargs)
+        elif lr_vector is None:                 # SGD's: one tensor of its multi_* operators
+            _multi(native, m is not None)(*tensors, out=[target], num_weights=1,
+                                          lrs=(lrs[i],), wds=(wds[i],), **kwargs)
         elif nag:
             if native:          # fp16 weight and gradient on a GPU: the rule on fp32 copies
                 target, g = w32, g.astype('float32')
@@ -162,7 +168,7 @@ def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
     if trust is not None:
         attrs.update(trust.native_attrs())
     attrs.update(num_tensors=len(weights), has_momentum=int(with_mom),
-                 momentum=momentum if with_mom else 0.0, nesterov=int(nesterov and with_mom),
+                 momentum=momentum if with_mom else 0.0, nesterov=int(nesterov),
                  multi_precision=int(mp), preloaded=0,
                  lrs=_native.attribute_list(lrs), wds=_native.attribute_list(wds),
                  rescale_grad=rescale_grad, clip_gradient=native_clip(clip_gradient))
@@ -170,6 +176,13 @@ def _native_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters: Maste
                    arrays, attrs, scratch,
                    loose=[grad_norm.sum_sq] if grad_norm is not None else [])
 
+
+
+def _multi(mp: bool, with_mom: bool) -> Callable[..., Any]:
+    return {(False, False): nd.multi_sgd_update,
+            (False, True): nd.multi_sgd_mom_update,
+            (True, False): nd.multi_mp_sgd_update,
+            (True, True): nd.multi_mp_sgd_mom_update}[(mp, with_mom)]
 
 
 def _preloaded(mp: bool, with_mom: bool) -> Callable[..., Any]:
@@ -184,7 +197,7 @@ def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters:
                       momentum: float, nesterov: bool, rescale_grad: float,
                       clip_gradient: Optional[float], scratch: dict,
                       grad_norm: Optional[GradNorm]) -> None:
-    if nesterov and moms[0] is not None:        # MXNet has no multi-tensor NAG operator
+    if nesterov:                                # MXNet has no multi-tensor NAG operator
         _single_tensor_sgd(weights=weights, grads=grads, moms=moms, masters=masters, lrs=lrs,
                            wds=wds, trust=trust, momentum=momentum, nesterov=True,
                            rescale_grad=rescale_grad, clip_gradient=clip_gradient,
@@ -208,12 +221,8 @@ def _multi_tensor_sgd(*, weights: Arrays, grads: Arrays, moms: Masters, masters:
             columns.append(masters[part])
         tensors = [x for row in zip(*columns) for x in row]
         if lr_vector is None:
-            op = {(False, False): nd.multi_sgd_update,
-                  (False, True): nd.multi_sgd_mom_update,
-                  (True, False): nd.multi_mp_sgd_update,
-                  (True, True): nd.multi_mp_sgd_mom_update}[(native, with_mom)]
-            op(*tensors, out=targets[part], num_weights=end - start,
-               lrs=tuple(lrs[part]), wds=tuple(wds[part]), **kwargs)
+            _multi(native, with_mom)(*tensors, out=targets[part], num_weights=end - start,
+                                     lrs=tuple(lrs[part]), wds=tuple(wds[part]), **kwargs)
         else:
             _preloaded(native, with_mom)(
                 *tensors, lr_vector[start:end],
