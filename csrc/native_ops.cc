@@ -1055,6 +1055,8 @@ MXReturnValue lamb_forward(const Attrs& attrs, std::vector<MXTensor>* in,
 //   2 mean:  g = the window's mean in g's dtype:
 //              float32 g: g = (1 - lr*wd) * g - lr * acc
 //              float16 g: g = half((acc + factor * g) * mean_factor)
+//   3 mean into acc: acc = mode 2's mean before any rounding to half (the window inside
+//              the optimizer: the same bits as the Trainer's mode 2 for float32 g)
 // The arithmetic is that of the MXNet operators the fallback runs (_mul_scalar, Cast,
 // sgd_update with lr=-1 as an axpy, and for float32 means sgd_update with the lr and wd
 // the caller computes), bit for bit, with each attribute read as that operator reads it.
@@ -1095,8 +1097,8 @@ MXReturnValue accumulate_parse(const Attrs& attrs, int* num_in, int* num_out) {
   const int n = std::stoi(attrs.at("num_tensors")), mode = std::stoi(attrs.at("mode"));
   *num_in = 2 * n;
   *num_out = 1;
-  if (n > 0 && mode >= 0 && mode <= 2) return MX_SUCCESS;
-  MX_ERROR_MSG << "mx_lbsgd_accumulate: num_tensors must be > 0 and mode 0, 1 or 2";
+  if (n > 0 && mode >= 0 && mode <= 3) return MX_SUCCESS;
+  MX_ERROR_MSG << "mx_lbsgd_accumulate: num_tensors must be > 0 and mode 0, 1, 2 or 3";
   return MX_FAIL;
 }
 
@@ -1173,6 +1175,10 @@ MXReturnValue accumulate_forward(const Attrs& attrs, std::vector<MXTensor>* in,
       if (half) widen(grad.data<_Float16>() + a, buffer, b - a);
       if (h.mode < 2) {
         accumulate_block(h, acc, g, b - a);
+      } else if (h.mode == 3) {             // mode 2's float32 mean, written into acc
+        if (!half) std::copy(g, g + (b - a), buffer);
+        (half ? mean_block_f16 : mean_block_f32)(h, acc, buffer, b - a);
+        std::copy(buffer, buffer + (b - a), acc);
       } else if (half) {
         mean_block_f16(h, acc, g, b - a);
         narrow(g, grad.data<_Float16>() + a, b - a);

@@ -262,29 +262,35 @@ def accumulate(*, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray], first
 
 def write_mean(*, grads: Sequence[nd.NDArray], accs: Sequence[nd.NDArray],
                rescale_grad: float, mean_factor: float, scratch: dict,
-               check_finite: bool = False, fused: Optional[bool] = None) -> Optional[nd.NDArray]:
+               check_finite: bool = False, fused: Optional[bool] = None,
+               into_accs: bool = False) -> Optional[nd.NDArray]:
     """grads[i] = mean_factor * (accs[i] + rescale_grad * grads[i]) in the gradient's dtype: the
     accumulated window written back into the gradient buffers, ready to be communicated
     once. One native call per context on CPU (as `accumulate`), else per tensor. With
     `check_finite`, returns the finite flag of the gradients as they were before (see
-    `accumulate`), else None."""
+    `accumulate`), else None. With `into_accs` the mean goes into the float32 accumulators
+    instead (the gradients stay as they are), in the same arithmetic: a float32 gradient's
+    mean is the same bits either way."""
     # one pass for a float32 gradient: sgd_update gives (1 - lr*wd) * grad - lr * acc,
     # which with lr = -m and wd = (m*rescale_grad - 1)/m is m * (acc + rescale_grad * grad)
     m = mean_factor
     lr, wd = -m, (m * rescale_grad - 1.0) / m
-    rest, flags = _native_window_call(accs, grads, check_finite, mode=2, factor=rescale_grad,
-                                      lr=lr, wd=wd, mean_factor=mean_factor)
+    rest, flags = _native_window_call(accs, grads, check_finite, mode=3 if into_accs else 2,
+                                      factor=rescale_grad, lr=lr, wd=wd,
+                                      mean_factor=mean_factor)
     # pushed before the per-tensor means overwrite the rest of the gradients
     flag = _rest_flag(grads, rest, flags, check_finite, fused)
     for j in rest:
         acc, grad = accs[j], grads[j]
         if acc.dtype == grad.dtype:
-            nd.sgd_update(grad, acc, out=grad, lr=lr, wd=wd, rescale_grad=1.0)
+            nd.sgd_update(grad, acc, out=acc if into_accs else grad, lr=lr, wd=wd,
+                          rescale_grad=1.0)
         else:
             accumulate(accs=[acc], grads=[grad], first=False, rescale_grad=rescale_grad,
                        scratch=scratch)
             _compat.mul_scalar(acc, scalar=mean_factor, out=acc)
-            nd.Cast(acc, dtype=grad.dtype, out=grad)
+            if not into_accs:
+                nd.Cast(acc, dtype=grad.dtype, out=grad)
     return flag
 
 

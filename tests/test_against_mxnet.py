@@ -6,7 +6,7 @@ import pytest
 import mx_lbsgd
 from harness import NAMES, make_problem, run_optimizer
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
 COMMON = dict(learning_rate=0.05, wd=1e-3, rescale_grad=0.7, momentum=0.9,
               param_idx2name=dict(enumerate(NAMES)))
@@ -39,7 +39,7 @@ def test_batch_scale_1_equals_mxnet_builtin_lbsgd(strategy):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize('fused', PATHS)
+@pytest.mark.parametrize('fused', [pytest.param(None, id='default')] + PATHS)
 def test_lars_equals_mxnet_lars(fused):
     """mx.optimizer.LARS: eta, eps, no momentum correction, names ending in bias/gamma/beta
     skipped; its wd_mult is 0 for names not ending in _weight, ours (MXNet's default)

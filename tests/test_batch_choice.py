@@ -66,9 +66,13 @@ def _reference_choice(current, bounds, t_micro, t_update, b, workers, noise, mar
     (4, (3, 5), 0.01, 1.0, 8, 1, 1e6),         # the bounds
     (5, (1, 16), 0.01, 0.04, 8, 4, 64.0),
     (2, (1, 16), 0.01, 0.04, 8, 1, math.inf),  # no gradient signal measured: E = 1
+    # an odd window whose best length, 2, is below ceil(5 / 2): halving stops at 3
+    (5, (1, 16), 0.01, 0.005, 8, 1, 40.0),
 ])
 def test_choice_matches_the_reference(current, bounds, t_micro, t_update, b, workers, noise):
     got = bc.choose_window(current, bounds, t_micro, t_update, b, workers, noise)
+    if (current, t_update) == (5, 0.005):
+        assert got == 3
     assert got == _reference_choice(current, bounds, t_micro, t_update, b, workers,
                                     noise if math.isfinite(noise) else 1e300)
     assert current / 2 <= got <= 2 * current and bounds[0] <= got <= bounds[1]

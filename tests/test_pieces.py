@@ -61,9 +61,9 @@ def test_trust_ratio_rates_match_reference(lo, hi):
     gs = [rng.uniform(-1, 1, s) for s in shapes]
     lrs, wds, keep = [0.1, 0.2, 0.3, 0.4], [1e-3, 0.0, 1e-3, 1e-3], [False, False, False, True]
     trust = TrustRatio(0.02, 1e-8, lo, hi, ())
-    got = trust.lr_vector(weights=[mx.nd.array(w) for w in ws],
-                          grads=[mx.nd.array(g) for g in gs], lrs=lrs, wds=wds, keep_lr=keep,
-                          rescale_grad=0.5).asnumpy()
+    got = trust.for_kernel(keep).rates(weights=[mx.nd.array(w) for w in ws],
+                                       grads=[mx.nd.array(g) for g in gs], lrs=lrs, wds=wds,
+                                       rescale_grad=0.5, grad_norm=None).asnumpy()
     want = [lr if k else lr * lars_factor(w, g, wd, 0.02, 1e-8, 0.5, lo, hi)
             for w, g, lr, wd, k in zip(ws, gs, lrs, wds, keep)]
     np.testing.assert_allclose(got, want, rtol=1e-5)

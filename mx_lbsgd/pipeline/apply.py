@@ -131,8 +131,8 @@ class StepApplier:
                  grad: List[mx.nd.NDArray], state: List[Any],
                  unscale: float) -> Optional[_Ready]:
         """Count the micro-batch and accumulate it; on a window's last one, what to update
-        with ``rescale_grad`` = the Trainer's rescale_grad x `unscale` (1 / loss scale) for
-        one micro-batch, 1 / batch_scale for an accumulated window (else None)."""
+        with ``rescale_grad`` = the Trainer's rescale_grad x `unscale` (1 / loss scale): one
+        micro-batch, or an accumulated window's mean (`InOptimizerWindow`; else None)."""
         _compat.count_on_device(self, weight[0].context)
         self._count_micro_batch(index)
         plan = self._plan(index, weight, grad, state)
@@ -142,8 +142,9 @@ class StepApplier:
         if self.batch_scale > 1 and self._step_window is None:
             window = self._accumulator.add(accs=plan.accs, grads=grad,
                                            positions=self._in_window(positions),
-                                           rescale_grad=rescale_grad, sparse=plan.sparse,
-                                           scratch=self._scratch, size=self.batch_scale)
+                                           rescale_grad=self.rescale_grad, unscale=unscale,
+                                           sparse=plan.sparse, scratch=self._scratch,
+                                           size=self.batch_scale)
             if window is None:
                 return None
             grad, rescale_grad = window
@@ -181,8 +182,10 @@ class StepApplier:
         micro = [g for c in calls if c[1][0].context == device for g in c[2]]
         window = [g for r in ready if r.weight[0].context == device for g in r.grad] \
             if self.batch_scale > 1 else None
+        # a dense window holds its mean as a Trainer's reduced gradient does (`InOptimizerWindow`)
+        mean_unit = None if any(r.plan.sparse for r in ready) else unscale
         gain.module_step(cast(Any, self), micro, self.rescale_grad * unscale,
-                         closes=bool(ready), window=window)
+                         closes=bool(ready), window=window, window_unit=mean_unit)
 
 
 def _per_position(positions: List[int], value: Callable[[int], int]) -> List[int]:

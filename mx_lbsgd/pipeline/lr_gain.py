@@ -261,13 +261,16 @@ class LrGain:
 
     def module_step(self, opt: PipelineOptimizer, micro: Sequence[mx.nd.NDArray],
                     factor: float, closes: bool,
-                    window: Optional[Sequence[mx.nd.NDArray]], early: bool = False) -> None:
+                    window: Optional[Sequence[mx.nd.NDArray]], early: bool = False,
+                    window_unit: Optional[float] = None) -> None:
         """One micro-batch of a Module or a bare Updater, whose calls the step gate held
         together: `micro` its gradients on one device (the Updater's are reduced over the
         devices and workers already), times `factor` mean per-example gradients of the
         Module's batch b = 1 / rescale_grad (the base batch: S = batch_scale); `window` the
         accumulated gradients when it `closes` a window of more than one (their mean per
-        example: times 1 / batch_scale). At S = 1, the difference estimator. With a loss
+        example: times 1 / batch_scale; with `window_unit` the window's mean in the units of
+        a Trainer's reduced gradient, times `window_unit` / b). At S = 1, the difference
+        estimator. With a loss
         scaler at S = 1 the gate's finite check calls this `early`, before its flag read,
         which then brings the norms; the step's own call is then a no-op."""
         if micro and not self._module_device.measures(micro[0].context, early):
@@ -278,7 +281,7 @@ class LrGain:
         if not micro:               # a skipped step
             return
         self._module_early = early
-        seen = self._module_observation(opt, micro, factor, closes, window) \
+        seen = self._module_observation(opt, micro, factor, closes, window, window_unit) \
             if self.measures else None
         if closes:
             self._update = _Update(scale=float(opt.batch_scale), observation=seen,
@@ -287,7 +290,8 @@ class LrGain:
 
     def _module_observation(self, opt: PipelineOptimizer, micro: Sequence[mx.nd.NDArray],
                             factor: float, closes: bool,
-                            window: Optional[Sequence[mx.nd.NDArray]]
+                            window: Optional[Sequence[mx.nd.NDArray]],
+                            window_unit: Optional[float] = None
                             ) -> Optional[_probe.Observation]:
         probe = self._probe_of(1)
         batch = 1.0 / opt.rescale_grad
@@ -306,8 +310,8 @@ class LrGain:
         probe.small.append((_probe.sum_squares(micro), factor * factor))
         if not closes or window is None:
             return None
-        seen = _probe.Observation(small=probe.small, big=(_probe.sum_squares(window),
-                                                          batch / opt.batch_scale),
+        unit = batch / opt.batch_scale if window_unit is None else window_unit
+        seen = _probe.Observation(small=probe.small, big=(_probe.sum_squares(window), unit),
                                   batch=batch, devices=1, workers=1, window=opt.batch_scale,
                                   extra=self._unsent())
         probe.small = []

@@ -68,13 +68,15 @@ class TrustRatio:
     >>> trust.applies('fc_weight'), trust.applies('fc_bias')
     (True, False)
 
-    The rates of two layers on the device: ``0.1 * 0.001 * |w| / |g|`` = ``0.1 * 0.001 *
-    5 / 0.5`` for the first, the second kept (an excluded bias):
+    The rates of two layers on the device, as the kernels compute them with the update:
+    ``0.1 * 0.001 * |w| / |g|`` = ``0.1 * 0.001 * 5 / 0.5`` for the first, the second kept
+    (an excluded bias):
 
-    >>> rates = trust.lr_vector(
+    >>> kernel = trust.for_kernel([not trust.applies('fc_weight'), not trust.applies('fc_bias')])
+    >>> rates = kernel.rates(
     ...     weights=[nd.array([3.0, 4.0]), nd.array([1.0])],
     ...     grads=[nd.array([0.3, 0.4]), nd.array([1.0])], lrs=[0.1, 0.1], wds=[0.0, 0.0],
-    ...     keep_lr=[False, True], rescale_grad=1.0)
+    ...     rescale_grad=1.0, grad_norm=None)
     >>> print(rates.asnumpy().round(6))
     [0.001 0.1  ]
     """
@@ -110,17 +112,6 @@ class TrustRatio:
         """The ratio for a family's kernels to compute with the update, on tensors whose
         `keep_lr` flags are given (the native kernel fuses it into its pass)."""
         return KernelTrust(self.eta, self.eps, self.lars_min, self.lars_max, keep_lr)
-
-    def lr_vector(self, *, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
-                  lrs: Sequence[float], wds: Sequence[float], keep_lr: Sequence[bool],
-                  rescale_grad: float,
-                  grad_coefficient: Optional[nd.NDArray] = None) -> nd.NDArray:
-        """lrs times the ratios, a float32 vector on the device (see the module docstring);
-        with `grad_coefficient` (a global-norm clip) the ratio sees the clipped gradient."""
-        return _kernels.lars_lrs(weights=weights, grads=grads, lrs=lrs, wds=wds,
-                                 keep_lr=keep_lr, eta=self.eta, eps=self.eps,
-                                 rescale_grad=rescale_grad, lars_min=self.lars_min,
-                                 lars_max=self.lars_max, grad_coefficient=grad_coefficient)
 
     def sparse_factor(self, *, weight: nd.NDArray, grad: nd.NDArray, wd: float,
                       rescale_grad: float) -> float:

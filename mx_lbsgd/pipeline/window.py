@@ -3,9 +3,14 @@
 One rule, run in one of two places. In the optimizer (Module, a kvstore that updates,
 sparse gradients), where each parameter's micro-batch count k tells its position::
 
-    r = rescale_grad of this micro-batch (already divided by the loss scale)
+    r = rescale_grad of this micro-batch;  u = 1 / loss scale
     acc = r * g if k % B == 1 else acc + r * g          # nothing else happens
-    if k % B == 0: the update runs on acc with rescale_grad 1 / B
+    if k % B == 0: acc = (acc + r * g) / (r * B)        # in the Trainer's arithmetic below
+                   the update runs on acc with rescale_grad r * u
+
+(a call with row_sparse gradients sums all B micro-batches scaled by ``r * u`` and updates
+with rescale_grad 1 / B). The window's mean is the same bits as a Trainer's, so a Module
+and a gluon Trainer on one device update alike at every window length.
 
 At a gluon Trainer's reduction (`TrainerWindow`, driven by the Trainer binding), so that
 the gradients are communicated once per update: micro-batches 1..B-1 are summed locally,
@@ -43,23 +48,32 @@ class InOptimizerWindow:
     of the window under way: with ``batch_scale='auto'`` it changes at window boundaries)."""
 
     def add(self, *, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
-            positions: Sequence[int], rescale_grad: float, sparse: Sequence[int],
-            scratch: dict, size: int) -> Optional[Tuple[List[nd.NDArray], float]]:
+            positions: Sequence[int], rescale_grad: float, unscale: float,
+            sparse: Sequence[int], scratch: dict,
+            size: int) -> Optional[Tuple[List[nd.NDArray], float]]:
         """Add one micro-batch (per-parameter `positions`: 1-based counts) to `accs`.
 
         Returns None while the window is open, else the gradients to update with (the
         accumulators; a dense accumulator of a row_sparse gradient as row_sparse, so a lazy
         update touches the window's rows only) and their rescale_grad."""
+        closes = not any(k % size for k in positions)
+        if closes and not sparse:
+            _kernels.write_mean(grads=grads, accs=accs, rescale_grad=rescale_grad,
+                                mean_factor=1.0 / (rescale_grad * size), scratch=scratch,
+                                into_accs=True)
+            return list(accs), rescale_grad * unscale
+        scaled = rescale_grad * unscale
         for j in sparse:
             _kernels.accumulate_sparse(acc=accs[j], grad=grads[j],
-                                       first=positions[j] % size == 1, rescale_grad=rescale_grad)
+                                       first=positions[j] % size == 1, rescale_grad=scaled)
         dense = [j for j in range(len(grads)) if j not in sparse]
         for first in (True, False):
             pick = [j for j in dense if (positions[j] % size == 1) == first]
             if pick:
                 _kernels.accumulate(accs=[accs[j] for j in pick],
                                     grads=[grads[j] for j in pick], first=first,
-                                    rescale_grad=rescale_grad, scratch=scratch)
+                                    rescale_grad=scaled if sparse else rescale_grad,
+                                    scratch=scratch)
         if any(k % size for k in positions):
             if not all(k % size for k in positions):
                 raise RuntimeError('parameters of one call are at different positions of the '
