@@ -11,6 +11,7 @@ import mxnet as mx
 
 from . import checkpoint, counting, loss_scale, overflow  # noqa: F401  (old module paths)
 from ._native import native_library
+from .amp_support import Bfloat16Support, amp_bfloat16_support, amp_bfloat16_trains
 from .distributed.sharded import ShardedTrainer
 from .gluon import bind, init_kvstore
 from .lamb import LAMB
@@ -26,7 +27,8 @@ __all__ = ['LBSGD', 'WarmupScheduler', 'WARMUP_STRATEGIES', 'warmup_multiplier',
            'MXNET_LBSGD', 'DynamicLossScaler', 'LossScaleStuckError', 'LossScaling',
            'LossScaledSGD', 'LAMB', 'scale_gradient', 'checkpoint', 'init_kvstore', 'bind',
            'counting', 'native_library', 'GradientNoiseScale', 'OverflowReport',
-           'LossScaleFallingWarning', 'ShardedTrainer']
+           'LossScaleFallingWarning', 'ShardedTrainer', 'amp_bfloat16_trains',
+           'amp_bfloat16_support', 'Bfloat16Support']
 __version__ = '0.1.0'
 
 #: MXNet's own LBSGD class, kept for comparisons after ours takes the 'lbsgd' name.

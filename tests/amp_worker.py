@@ -6,13 +6,23 @@ path (Module.fit); the first step loads the native operators when they are built
 one JSON line: whether AMP was active before and after the steps, which operator functions
 of MXNet changed identity, how often the user's wrapper ran, and what the optimizers saw.
 
-    python amp_worker.py bfloat16|float16 before|after
+    python amp_worker.py bfloat16|float16 before|after [matmul|no-matmul]
+
+The models trained: ``matmul`` (bfloat16's default) Dense / FullyConnected layers, which
+AMP runs in bfloat16, forward and backward: that needs MXNet's oneDNN to train bfloat16
+(AVX512, `mx_lbsgd.amp_support`). ``no-matmul`` (float16's only choice: the CPU wheel has
+no float16 matmul) an embedding and elementwise operators, which AMP keeps in float32, so
+the steps run on any CPU; the bfloat16 Dense layers are then only typed (their output
+dtype, the Module graph's casts), and whether their forward ran is reported.
 """
 import json
 import sys
 import types
 
 dtype, order = sys.argv[1], sys.argv[2]
+model = sys.argv[3] if len(sys.argv) > 3 else \
+    ('matmul' if dtype == 'bfloat16' else 'no-matmul')
+assert model in ('matmul', 'no-matmul') and (dtype == 'bfloat16' or model == 'no-matmul')
 import mxnet as mx  # noqa: E402
 from mxnet.contrib import amp  # noqa: E402
 
@@ -56,12 +66,23 @@ def dtype_name(t):
     return t.names[0] if t.names else t.name
 
 
+forward_ran = []      # per amp_active() call (bfloat16): whether the Dense forward ran
+
+
 def amp_active():
     """AMP's casts on the imperative path (mx.nd) and the symbolic path (mx.sym)."""
     net = mx.gluon.nn.Dense(2, in_units=4)
     net.initialize()
     if dtype == 'bfloat16':
-        imperative = dtype_name(net(mx.nd.ones((2, 4))).dtype) == 'bfloat16'
+        # the output's dtype is decided when the operator is queued; running it needs
+        # MXNet's bfloat16 kernels (where they are missing, the error is taken here)
+        out = net(mx.nd.ones((2, 4)))
+        imperative = dtype_name(out.dtype) == 'bfloat16'
+        try:
+            out.wait_to_read()
+            forward_ran.append(True)
+        except mx.MXNetError as error:
+            forward_ran.append(str(error).splitlines()[0])
     else:
         # AMP casts FullyConnected's float32 inputs to float16, which MXNet's CPU build
         # refuses: the refusal shows the cast happened
@@ -78,7 +99,7 @@ def amp_active():
 
 
 def gluon_net():
-    if dtype == 'bfloat16':
+    if model == 'matmul':
         net = mx.gluon.nn.HybridSequential()
         net.add(mx.gluon.nn.Dense(8, in_units=4, activation='relu'),
                 mx.gluon.nn.Dense(3, in_units=8))
@@ -115,17 +136,43 @@ def train_gluon(name, options, hybridize):
             'out_dtype': out_dtype}
 
 
+def fc_symbol(data):
+    # the weights' types given: AMP's amp_cast in front of them hides them from Module's
+    # type inference (MXNet's own 'sgd' fails the same way without them)
+    return mx.sym.FullyConnected(data, mx.sym.var('fc_weight', dtype='float32'),
+                                 mx.sym.var('fc_bias', dtype='float32'), num_hidden=3,
+                                 name='fc')
+
+
+def module_graph():
+    """A FullyConnected Module under bfloat16 AMP, bound for training (nothing run): the
+    graph's casts and the layer's output dtype."""
+    fc = fc_symbol(mx.sym.var('data'))
+    sym = mx.sym.SoftmaxOutput(fc, name='softmax')
+    mod = mx.mod.Module(sym, context=mx.cpu())
+    mod.bind(data_shapes=[('data', (8, 4))], label_shapes=[('softmax_label', (8,))])
+    return {'bound': mod.binded,
+            'amp_cast_in_graph': 'amp_cast' in sym.tojson(remove_amp_cast=False),
+            'fc_dtype': dtype_name(fc.infer_type(data='float32')[1][0])}
+
+
+def registered():
+    """The class each of the package's optimizer names creates."""
+    return {name: type(mx.optimizer.create(name)).__name__
+            for name in ('lbsgd', 'lssgd', 'lblamb')}
+
+
 def train_module(name, options):
     data = mx.sym.var('data')
-    if dtype == 'bfloat16':
-        # the weights' types given: AMP's amp_cast in front of them hides them from
-        # Module's type inference (MXNet's own 'sgd' fails the same way without them)
-        out = mx.sym.FullyConnected(data, mx.sym.var('fc_weight', dtype='float32'),
-                                    mx.sym.var('fc_bias', dtype='float32'), num_hidden=3,
-                                    name='fc')
+    if model == 'matmul':
+        out = fc_symbol(data)
     else:
+        # bfloat16 AMP casts Embedding's inputs to float32, which hides the weight's type
+        # as it hides FullyConnected's
+        weight = {'weight': mx.sym.var('emb_weight', dtype='float32')} \
+            if dtype == 'bfloat16' else {}
         out = mx.sym.Embedding(mx.sym.clip(mx.sym.sum(data, axis=1), 0, 11), input_dim=12,
-                               output_dim=3, name='emb')
+                               output_dim=3, name='emb', **weight)
     sym = mx.sym.SoftmaxOutput(out, name='softmax')
     rng = np.random.RandomState(1)
     it = mx.io.NDArrayIter(rng.uniform(0, 3, (32, 4)).astype('float32'),
@@ -153,10 +200,15 @@ runs = {
     'module_lbsgd': train_module('lbsgd', dict(learning_rate=0.1, momentum=0.9)),
 }
 calls_during_training = len(calls)
+graph = module_graph() if dtype == 'bfloat16' else None
 after = operator_functions()
 active_after = amp_active()
 print(json.dumps({
     'native': mx_lbsgd.native_library() is not None,
+    'model': model,
+    'registered': registered(),
+    'bf16_forward_ran': forward_ran,
+    'module_graph': graph,
     'active_before': active_before,
     'active_after': active_after,
     'user_wrapper_calls_after': calls[calls_during_training:],

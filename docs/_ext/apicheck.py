@@ -42,6 +42,7 @@ def _logger() -> Any:
 PUBLIC_MODULES = (
     'mx_lbsgd',
     'mx_lbsgd.checkpoint',
+    'mx_lbsgd.amp_support',
     'mx_lbsgd.counting',
     'mx_lbsgd.gluon',
     'mx_lbsgd.loss_scaling',

@@ -56,24 +56,14 @@ class InOptimizerWindow:
         Returns None while the window is open, else the gradients to update with (the
         accumulators; a dense accumulator of a row_sparse gradient as row_sparse, so a lazy
         update touches the window's rows only) and their rescale_grad."""
-        closes = not any(k % size for k in positions)
-        if closes and not sparse:
+        if not any(k % size for k in positions) and not sparse:     # a dense window closes
             _kernels.write_mean(grads=grads, accs=accs, rescale_grad=rescale_grad,
                                 mean_factor=1.0 / (rescale_grad * size), scratch=scratch,
                                 into_accs=True)
             return list(accs), rescale_grad * unscale
-        scaled = rescale_grad * unscale
-        for j in sparse:
-            _kernels.accumulate_sparse(acc=accs[j], grad=grads[j],
-                                       first=positions[j] % size == 1, rescale_grad=scaled)
-        dense = [j for j in range(len(grads)) if j not in sparse]
-        for first in (True, False):
-            pick = [j for j in dense if (positions[j] % size == 1) == first]
-            if pick:
-                _kernels.accumulate(accs=[accs[j] for j in pick],
-                                    grads=[grads[j] for j in pick], first=first,
-                                    rescale_grad=scaled if sparse else rescale_grad,
-                                    scratch=scratch)
+        # with row_sparse gradients every micro-batch is summed scaled to the update's units
+        scale = rescale_grad * unscale if sparse else rescale_grad
+        _add_all(accs, grads, positions, scale, sparse, scratch, size)
         if any(k % size for k in positions):
             if not all(k % size for k in positions):
                 raise RuntimeError('parameters of one call are at different positions of the '
@@ -88,6 +78,21 @@ class InOptimizerWindow:
         grads = [acc.tostype('row_sparse') if j in sparse and grads[j].stype == 'row_sparse'
                  and acc.stype == 'default' else acc for j, acc in enumerate(accs)]
         return grads, 1.0 / size
+
+
+def _add_all(accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
+             positions: Sequence[int], rescale_grad: float, sparse: Sequence[int],
+             scratch: dict, size: int) -> None:
+    """accs += rescale_grad * grads (written on a window's first micro-batch)."""
+    for j in sparse:
+        _kernels.accumulate_sparse(acc=accs[j], grad=grads[j],
+                                   first=positions[j] % size == 1, rescale_grad=rescale_grad)
+    dense = [j for j in range(len(grads)) if j not in sparse]
+    for first in (True, False):
+        pick = [j for j in dense if (positions[j] % size == 1) == first]
+        if pick:
+            _kernels.accumulate(accs=[accs[j] for j in pick], grads=[grads[j] for j in pick],
+                                first=first, rescale_grad=rescale_grad, scratch=scratch)
 
 
 class TrainerWindow:
