@@ -49,6 +49,10 @@ class _Ready:
 
 
 
+#: an index that names no parameter: MXNet's _get_lrs gives it no lr_mult
+_NO_MULT = object()
+
+
 class StepApplier:
     """See the module docstring; the attributes below are the shell's."""
 
@@ -74,6 +78,8 @@ class StepApplier:
     _clip_safe: Callable[..., bool]
     _step_trainer: Any
     window_position: int
+    #: the lr of the last update for a parameter without an lr_mult (`last_lr`)
+    _last_lr: Optional[float] = None
 
     def _apply_step(self, calls: List[Call], unscale: float) -> None:
         """Apply the calls of one step (all of them when clipping measures the norm here):
@@ -158,13 +164,18 @@ class StepApplier:
 
     def _learning_rates(self, r: _Ready) -> List[float]:
         """The learning rates of a call whose window closed: the schedule's (at the
-        scale-invariant progress with ``lr_scaling``), times the warmup and the gain."""
+        scale-invariant progress with ``lr_scaling``), times the warmup and the gain. The
+        same for a parameter without an lr_mult is kept as ``last_lr``."""
+        index, positions = list(r.index) + [_NO_MULT], list(r.positions) + [r.positions[0]]
         if self._lr_gain is None:
-            return self._warmup.scale_lrs(_compat.learning_rates(self, r.index), r.positions)
-        gain = self._lr_gain.gain()       # estimated and accounted once per update
-        lrs = _compat.learning_rates(self, r.index,
-                                     schedule_step=self._lr_gain.piece.state.progress)
-        return self._warmup.scale_lrs(lrs, r.positions, target=gain)
+            lrs = self._warmup.scale_lrs(_compat.learning_rates(self, index), positions)
+        else:
+            gain = self._lr_gain.gain()       # estimated and accounted once per update
+            lrs = _compat.learning_rates(self, index,
+                                         schedule_step=self._lr_gain.piece.state.progress)
+            lrs = self._warmup.scale_lrs(lrs, positions, target=gain)
+        self._last_lr = lrs.pop()
+        return lrs
 
     def _in_window(self, positions: List[int]) -> List[int]:
         """The accumulator's positions (1 .. window length) of micro-batch counts: with

@@ -146,6 +146,7 @@ class ProgressViews:
     _ledger: SkipLedger
     _warmup: Warmup
     _lr_gain: Optional[LrGain]
+    _last_lr: Optional[float]
     loss_scaler: Optional[DynamicLossScaler]
     batch_scale: int
     counts_applied_updates: bool
@@ -230,6 +231,27 @@ class ProgressViews:
         AdaScale's r; 'linear'/'sqrt': S), in base-batch iterations: the step the lr
         scheduler sees. None without."""
         return None if self._lr_gain is None else self._lr_gain.piece.state.progress
+
+    @property
+    def last_lr(self) -> Optional[float]:
+        """The learning rate of the last update (applied or skipped), as the kernels took
+        it for a parameter without an ``lr_mult``: the schedule's rate times the warmup's
+        multiplier and, with ``lr_scaling``, the gain; a LARS trust ratio, which differs
+        per layer, not included. A host float, kept as the update is prepared: reading it
+        waits for nothing. None before the first update.
+
+        Examples
+        --------
+        >>> import mxnet as mx, mx_lbsgd
+        >>> opt = mx_lbsgd.LBSGD(learning_rate=0.1, warmup_strategy='linear',
+        ...                      warmup_epochs=1, updates_per_epoch=4, batch_scale=2)
+        >>> updater = mx.optimizer.get_updater(opt)
+        >>> for _ in range(2):                   # one window of 2 micro-batches
+        ...     updater(0, mx.nd.ones(3), mx.nd.zeros(3))
+        >>> opt.last_lr                          # 0.1 * (1 + (2 - 1) * 2 / 4)
+        0.15000000000000002
+        """
+        return self._last_lr
 
     @property
     def last_gain(self) -> Optional[float]:
