@@ -1,6 +1,8 @@
+import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
@@ -15,7 +17,11 @@ INSTALL_REQUIRES = ['mxnet==1.9.1', 'numpy>=1.17,<1.24']
 # the 8x8 digits, tqdm draws the progress bar, matplotlib the plots (3.10 pulls a contourpy
 # that needs numpy >= 1.25). `pip install 'mx_lbsgd[demo]'`; without them `mx-lbsgd train`
 # exits 2 with one line naming that command.
-DEMO_REQUIRES = ['scikit-learn>=1.0', 'tqdm>=4.60', 'matplotlib>=3.3,<3.10']
+# Upper bounds at the last releases that take numpy < 1.24, so that pip resolves at once
+# instead of downloading newer releases and backtracking: scikit-learn 1.8 needs numpy >=
+# 1.24, scipy 1.16 (scikit-learn's) >= 1.25, contourpy 1.3.3 (matplotlib's) >= 1.25.
+DEMO_REQUIRES = ['scikit-learn>=1.0,<1.8', 'scipy<1.16', 'tqdm>=4.60',
+                 'matplotlib>=3.3,<3.10', 'contourpy<1.3.3']
 
 
 def native_extensions():
@@ -42,11 +48,52 @@ def native_extensions():
         extra_link_args=['-fopenmp', '-s', '-Wl,-Bsymbolic'])]
 
 
+def _build_key(ext, compiler):
+    """What the compiled library depends on: its sources and headers, the flags, the
+    compiler's version and the Python tag (the file name carries the latter)."""
+    digest = hashlib.sha256()
+    for path in list(ext.sources) + [os.path.join(d, 'mxnet', 'lib_api.h')
+                                     for d in ext.include_dirs]:
+        if os.path.exists(path):
+            with open(path, 'rb') as f:
+                digest.update(f.read())
+    digest.update(repr((ext.extra_compile_args, ext.extra_link_args,
+                        getattr(compiler, 'compiler_so', None))).encode())
+    try:
+        version = subprocess.run([compiler.compiler_so[0], '--version'], capture_output=True,
+                                 text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError, AttributeError, IndexError):
+        version = ''
+    digest.update(version.encode())
+    return digest.hexdigest()
+
+
 class BuildExtIntoTheCheckoutToo(build_ext):
     """Build the extensions, then also copy them next to the checkout's package sources:
     ``python -m pytest tests`` from the repository root imports the checkout, not the
     installed copy, and its tests must find the library that ``pip install .`` built. The
-    copy replaces the file atomically (a loaded library keeps its old inode)."""
+    copy replaces the file atomically (a loaded library keeps its old inode).
+
+    The checkout's copy is kept with the key of what it was built from
+    (``_native_ops*.so.build-key``): a second ``pip install`` of the same checkout (the quick
+    start's two commands) takes it instead of compiling again."""
+
+    def build_extension(self, ext):
+        built = self.get_ext_fullpath(ext.name)
+        kept = os.path.join(HERE, *ext.name.split('.')[:-1], os.path.basename(built))
+        key = _build_key(ext, self.compiler)
+        key_file = kept + '.build-key'
+        if not self.inplace and os.path.exists(kept) and os.path.exists(key_file):
+            with open(key_file) as f:
+                if f.read().strip() == key:
+                    os.makedirs(os.path.dirname(built), exist_ok=True)
+                    shutil.copyfile(kept, built)
+                    print('mx_lbsgd: reusing the native operators built from the same '
+                          'sources (%s)' % kept)
+                    return
+        super().build_extension(ext)
+        self._keys = getattr(self, '_keys', {})
+        self._keys[ext.name] = (key, key_file)
 
     def run(self):
         super().run()
@@ -57,8 +104,15 @@ class BuildExtIntoTheCheckoutToo(build_ext):
             folder = os.path.join(HERE, *ext.name.split('.')[:-1])
             if os.path.exists(built) and os.access(folder, os.W_OK):
                 target = os.path.join(folder, os.path.basename(built))
+                if os.path.exists(target) and os.path.samefile(built, target):
+                    continue
                 shutil.copyfile(built, target + '.tmp')
                 os.replace(target + '.tmp', target)
+                key = getattr(self, '_keys', {}).get(ext.name)
+                if key is not None:
+                    with open(key[1] + '.tmp', 'w') as f:
+                        f.write(key[0] + '\n')
+                    os.replace(key[1] + '.tmp', key[1])
 
 
 setup(
