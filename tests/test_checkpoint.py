@@ -10,7 +10,7 @@ import mx_lbsgd
 from mx_lbsgd import checkpoint
 from harness import digits, mlp
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
 X, Y, XT, YT = digits()
 STEPS = 8

@@ -190,7 +190,7 @@ def test_an_inf_in_one_micro_batch_skips_the_window_and_backs_off():
     assert not math.isnan(float(trainer.optimizer.last_grad_norm.asscalar()))
 
 
-@pytest.mark.parametrize('fused', [None, True, False])
+@pytest.mark.parametrize('fused', [None, True, False], ids=['default', 'multi', 'pertensor'])
 @pytest.mark.parametrize('opt, args', [('lbsgd', dict(momentum=0.9, lars=True)),
                                        ('lblamb', dict())], ids=['lars', 'lamb'])
 def test_without_a_scaler_a_nonfinite_norm_writes_nothing(opt, args, fused):

@@ -6,7 +6,7 @@ import mx_lbsgd
 from mx_lbsgd.counting import count_host_syncs
 from harness import NAMES, flag_read, make_problem
 
-pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline, pytest.mark.fallback]
 
 def run_steps(opt, dtype, steps):
     weights, grads = make_problem(steps)

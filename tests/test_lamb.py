@@ -150,7 +150,7 @@ def _reference(start, micro, B, rescale, skip_windows=(), exclude=(), lr=0.01, w
     pytest.param((mx.cpu(),), None, id='1dev'),
     pytest.param((mx.cpu(0), mx.cpu(1)), 'device', id='2dev-device')])
 @pytest.mark.parametrize('B', [1, 4])
-@pytest.mark.parametrize('fused', [True, False, None])
+@pytest.mark.parametrize('fused', [True, False, None], ids=['multi', 'pertensor', 'default'])
 def test_accumulation_is_one_big_batch(ctxs, kvstore, B, fused):
     args = dict(learning_rate=0.01, wd=0.01, batch_scale=B, fused=fused)
     params, start, micro, trainer = _trainer_run('lblamb', args, 12, B, ctxs, kvstore)
@@ -179,7 +179,7 @@ def test_a_window_with_an_overflow_is_skipped_whole():
 @pytest.mark.parametrize('exclude, suffixes', [
     pytest.param(True, ('bias', 'gamma', 'beta'), id='bert'),
     pytest.param(['_weight'], ('_weight',), id='suffixes')])
-@pytest.mark.parametrize('fused', [True, None])
+@pytest.mark.parametrize('fused', [True, None], ids=['multi', 'default'])
 def test_trust_ratio_exclusions_by_name(exclude, suffixes, fused):
     args = dict(learning_rate=0.01, wd=0.01, trust_exclude=exclude, fused=fused)
     params, start, micro, _ = _trainer_run('lblamb', args, 3)

@@ -10,7 +10,7 @@ from mx_lbsgd.counting import count_host_syncs
 from harness import NAMES, SHAPES, make_problem, run_optimizer
 from reference import LBSGDReference
 
-pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline, pytest.mark.fallback]
 
 DTYPES = {  # id -> (weight dtype, multi_precision, rtol on weights)
     'fp32': ('float32', False, 2e-5),

@@ -6,7 +6,7 @@ import pytest
 
 from mx_lbsgd.loss_scale import DynamicLossScaler, LossScaleStuckError
 
-pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline, pytest.mark.fallback]
 
 O, F = True, False      # overflow, finite
 

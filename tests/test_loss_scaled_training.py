@@ -8,7 +8,7 @@ import mx_lbsgd
 from digits_mlp import mlp
 from harness import digits
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
 X, Y, XT, YT = digits()
 

@@ -154,7 +154,7 @@ def test_gain_within_10_percent_of_exact(name, scale, seed):
     assert opt.scale_invariant_steps == pytest.approx(400 * exact, rel=0.1)
 
 
-@pytest.mark.parametrize('fused', [None, True, False])
+@pytest.mark.parametrize('fused', [None, True, False], ids=['default', 'multi', 'pertensor'])
 def test_linear_rule_is_lbsgds_batch_scale_on_one_worker(fused):
     """One worker, no warmup: LBSGD multiplies the lr by batch_scale, as 'linear' does;
     the two runs are bit for bit equal, and progress counts S per update."""
@@ -281,7 +281,7 @@ def _no_warning():
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize('fused', [None, False])
+@pytest.mark.parametrize('fused', [None, False], ids=['default', 'pertensor'])
 @pytest.mark.parametrize('clip', [False, True])
 @pytest.mark.parametrize('scaled', [False, True])
 def test_one_host_read_per_update(scaled, clip, fused):

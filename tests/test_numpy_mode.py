@@ -8,7 +8,7 @@ import mx_lbsgd
 from mx_lbsgd import checkpoint
 from harness import digits
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
 X, Y, _, _ = digits()
 CTX2 = [mx.cpu(0), mx.cpu(1)]

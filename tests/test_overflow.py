@@ -22,7 +22,7 @@ from mx_lbsgd.launch import launch
 import dist_worker
 from harness import flag_read, horovodrun
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
 SHAPES = {'p0': (4, 3), 'p1': (5,), 'p2': (3, 3)}
 INIT = 64.0

@@ -13,7 +13,7 @@ from mx_lbsgd.pipeline.warmup import Warmup
 from mx_lbsgd.pipeline.window import InOptimizerWindow, TrainerWindow
 from reference import lars_factor, warmup_multiplier
 
-pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline, pytest.mark.fallback]
 
 
 @pytest.mark.parametrize('shape', list(schedules.WARMUP_SHAPES))
@@ -79,15 +79,19 @@ def test_window_in_the_optimizer_sums_then_releases(B):
         grads = [rng.uniform(-1, 1, a.shape) for a in accs]
         r = 0.5 + k
         out = window.add(accs=accs, grads=[mx.nd.array(g) for g in grads], positions=[k, k],
-                         rescale_grad=r, sparse=[], scratch={}, size=B)
+                         rescale_grad=r, unscale=0.25, sparse=[], scratch={}, size=B)
         total = [t + r * g for t, g in zip(total, grads)]
         if k % B:
             assert out is None
             continue
+        # released: the window's mean in units of the last micro-batch's rescale_grad (as a
+        # Trainer's reduced gradient), applied with that rescale_grad times the unscale
         released, rescale = out
-        assert rescale == 1.0 / B
+        assert rescale == r * 0.25
         for a, t in zip(released, total):
-            np.testing.assert_allclose(a.asnumpy(), t, rtol=1e-5, atol=1e-6)   # fp32 sums
+            np.testing.assert_allclose(a.asnumpy(), t / (r * B), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(rescale * a.asnumpy(), 0.25 * t / B, rtol=1e-5,
+                                       atol=1e-6)
         total = [np.zeros_like(t) for t in total]
 
 
@@ -95,7 +99,8 @@ def test_window_in_the_optimizer_refuses_mixed_positions():
     window = InOptimizerWindow()
     with pytest.raises(RuntimeError, match='different positions'):
         window.add(accs=[mx.nd.zeros((1,))] * 2, grads=[mx.nd.ones((1,))] * 2,
-                   positions=[1, 2], rescale_grad=1.0, sparse=[], scratch={}, size=2)
+                   positions=[1, 2], rescale_grad=1.0, unscale=1.0, sparse=[], scratch={},
+                   size=2)
 
 
 @pytest.mark.parametrize('B', [2, 3])

@@ -17,7 +17,7 @@ from mx_lbsgd import checkpoint
 from digits_mlp import mlp
 from harness import digits
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
 X, Y, _, _ = digits()
 BATCH = 16

@@ -17,7 +17,7 @@ import mx_lbsgd
 from mx_lbsgd import DynamicLossScaler, LossScaleFallingWarning
 from mx_lbsgd.pipeline import binding
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
 MANY = 63
 

@@ -8,7 +8,7 @@ import pytest
 import mx_lbsgd  # noqa: F401
 from harness import accuracy, digits, mlp
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
 X, Y, XT, YT = digits()
 LOSS = mx.gluon.loss.SoftmaxCrossEntropyLoss()

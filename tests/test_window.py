@@ -8,7 +8,7 @@ from mxnet import autograd, gluon, nd
 import mx_lbsgd
 from reference import LBSGDReference
 
-pytestmark = [pytest.mark.unit, pytest.mark.pipeline]
+pytestmark = [pytest.mark.unit, pytest.mark.pipeline, pytest.mark.fallback]
 
 CTX2 = [mx.cpu(0), mx.cpu(1)]
 ARGS = dict(learning_rate=0.1, momentum=0.9, wd=1e-3, warmup_epochs=1, updates_per_epoch=6)
