@@ -249,7 +249,7 @@ class _Progress:
                       self.label and self.label + ' ', row['epoch'], row['train_loss'],
                       row['train_acc'], row['test_acc'], row['lr'], row['loss_scale'],
                       row['skipped_steps'], row['seconds'])
-                  + ('  B_simple %.3g' % row['b_simple'] if row.get('b_simple') else '')
+                  + _b_simple_field(row)
                   + ('  gain %.3g  window %d' % (row['gain'], row['window'])
                      if row.get('gain') is not None else ''),
                   flush=True)
@@ -257,6 +257,15 @@ class _Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def _b_simple_field(row):
+    """'  B_simple X' for an epoch with a usable (positive) estimate, '  B_simple n/a' for
+    one whose smoothed |G|^2 or tr(Sigma) is not positive, '' before any estimate."""
+    from .summary import usable_b_simple
+    if usable_b_simple(row) is not None:
+        return '  B_simple %.3g' % row['b_simple']
+    return '  B_simple n/a' if row.get('gradient_sq') is not None else ''
 
 
 def main(argv):
@@ -358,16 +367,27 @@ def _result_line(result):
 
 
 def _noise_scale_line(result):
-    """One line: the effective batch against B_simple, read with McCandlish et al. (2018):
-    steps to a given loss ~ S_min (1 + B_noise / B), examples ~ E_min (1 + B / B_noise), so
-    the speed-up from a larger batch saturates around B_crit ~ B_simple."""
-    b_simple, batch = result['final_b_simple'], result['effective_batch_size']
+    """One line on the main run's gradient noise scale, in the terms of its per-epoch lines
+    and its update count (summary.noise_scale_account): the effective batch against the
+    last epoch's B_simple, read with McCandlish et al. (2018): steps to a given loss ~
+    S_min (1 + B_noise / B), examples ~ E_min (1 + B / B_noise), so the speed-up from a
+    larger batch saturates around B_crit ~ B_simple; or, when the last epoch has no usable
+    estimate, why, and the last epoch that had one."""
+    from .summary import noise_scale_account
     if result['noise_scale_interval'] is None:
         return 'gradient noise scale: not measured, %s' % result['noise_scale_not_measured']
-    if b_simple is None or b_simple <= 0:
-        return ('gradient noise scale: no usable estimate after %d updates (the smoothed '
-                '|G|^2 or tr(Sigma) is not positive: not resolved from this few updates)'
-                % result['noise_scale_updates'])
+    account = noise_scale_account(result)
+    counted = _counted_updates(result, account['noise_scale_left_out'])
+    if account['noise_scale_unusable'] is not None:
+        line = 'gradient noise scale: no usable estimate at the last epoch (%s)' \
+            % account['noise_scale_unusable']
+        if account['last_b_simple'] is not None:
+            line += '; the last usable one: B_simple ~ %s at epoch %d' % (
+                _rounded(account['last_b_simple'], 3), account['last_b_simple_epoch'])
+        if counted or result['noise_scale_updates']:
+            line += '; estimated from %s' % (counted or 'all %d updates' % result['updates'])
+        return line
+    b_simple, batch = account['last_b_simple'], result['effective_batch_size']
     ratio = batch / b_simple
     if ratio < 0.5:
         verdict = ('well below B_simple, larger batches still cut the steps almost in '
@@ -377,10 +397,25 @@ def _noise_scale_line(result):
                    'batches starts to saturate')
     else:
         verdict = 'beyond B_simple, larger batches buy fewer steps per example'
-    return ('gradient noise scale B_simple ~ %s (last epoch); effective batch %d is %sx '
+    return ('gradient noise scale B_simple ~ %s (last epoch)%s; effective batch %d is %sx '
             'it: %s (steps ~ %sx the fewest, examples ~ %sx the fewest, McCandlish et al. '
-            '2018)' % (_rounded(b_simple, 3), batch, _rounded(ratio, 2), verdict,
-                       _rounded(1 + 1 / ratio, 2), _rounded(1 + ratio, 2)))
+            '2018)' % (_rounded(b_simple, 3), counted and ', from ' + counted, batch,
+                       _rounded(ratio, 2), verdict, _rounded(1 + 1 / ratio, 2),
+                       _rounded(1 + ratio, 2)))
+
+
+def _counted_updates(result, left_out):
+    """'N of the M updates (why the others are left out)', or '' when all M entered."""
+    if not left_out:
+        return ''
+    why = []
+    if left_out.get('window_1'):
+        why.append('%d had a window of 1 micro-batch: one batch size, nothing to compare'
+                   % left_out['window_1'])
+    if left_out.get('other'):
+        why.append('%d had gradient norms the monitor could not use' % left_out['other'])
+    return '%d of the %d updates (%s)' % (result['noise_scale_updates'], result['updates'],
+                                          '; '.join(why))
 
 
 def _rounded(value, digits):

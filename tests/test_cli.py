@@ -357,7 +357,9 @@ def test_train_help_describes_every_panel_of_training_png(capsys):
     for panel in ('test accuracy', 'learning rate', 'loss scale', 'train loss',
                   'B_simple per epoch', 'lr gain per update', 'window length and batch'):
         assert panel in png, png
-    assert len(TRAINING_PANELS) == 4        # the four above, plus B_simple
+    # the four above, B_simple, the lr gain and the window (the help's seven)
+    assert [p.key for p in TRAINING_PANELS] == ['accuracy', 'lr', 'loss_scale', 'loss',
+                                                'noise', 'gain', 'window']
 
 
 def test_bench_script_argument_error_passes_through(capsys):

@@ -12,12 +12,14 @@ import pytest
 from mx_lbsgd_demo import train as train_module
 from mx_lbsgd_demo.cli import main
 from mx_lbsgd_demo.config import DEMO_DEFAULTS, ConfigError, TrainConfig
+from mx_lbsgd_demo.summary import NOISE_ACCOUNT_KEYS, noise_scale_account
 from mx_lbsgd_demo.train_command import _noise_scale_line
 
 pytestmark = pytest.mark.cli
 
 NOISE_COLUMNS = ('b_simple', 'gradient_sq', 'trace_sigma')
-MEASURED_LINE = re.compile(r'^gradient noise scale B_simple ~ \S+ \(last epoch\); '
+MEASURED_LINE = re.compile(r'^gradient noise scale B_simple ~ \S+ \(last epoch\)'
+                           r'(?:, from \d+ of the \d+ updates \([^)]*\))?; '
                            r'effective batch (\d+) is \S+x it: ', re.M)
 
 
@@ -148,10 +150,30 @@ def test_monitor_changes_no_training_number(monkeypatch):
     assert per_epoch[0] == per_epoch[1] and None not in per_epoch[0]
 
 
-def _result(b_simple, batch=256, interval=10, updates=150, missing=None):
-    return dict(final_b_simple=b_simple, effective_batch_size=batch,
-                noise_scale_interval=interval, noise_scale_updates=updates,
-                noise_scale_not_measured=missing)
+def _result(b_simple, batch=256, interval=10, updates=150, missing=None, epochs=None,
+            entered=None, history=None):
+    """A result with what the closing line reads; `epochs`: [(B_simple, |G|^2, tr(Sigma))]
+    per epoch (default: one epoch of `b_simple`)."""
+    if epochs is None:
+        epochs = [(b_simple, None, None) if b_simple is None
+                  else (b_simple, 1.0, b_simple)]
+    rows = [dict(epoch=e, b_simple=b, gradient_sq=g, trace_sigma=t)
+            for e, (b, g, t) in enumerate(epochs, 1)]
+    if entered is None:
+        entered = updates if interval is not None and rows[-1]['gradient_sq'] is not None \
+            else 0
+    return dict(final_b_simple=rows[-1]['b_simple'], effective_batch_size=batch,
+                noise_scale_interval=interval, noise_scale_updates=entered,
+                noise_scale_not_measured=missing, epochs=rows, updates=updates,
+                batch_history=history)
+
+
+#: The run of the issue: B_simple 254 at epoch 2 (of 4), then the smoothed |G|^2 below 0;
+#: 224 of its 602 updates had a window of 1 micro-batch.
+CONVERGED = _result(None, batch=64, updates=602, entered=378, epochs=[
+    (50.0, 1.0, 50.0), (254.0, 0.1, 25.4), (None, -0.01, 0.4), (None, -0.02, 0.3)],
+    history=[dict(update=0, batch_scale=1), dict(update=16, batch_scale=2),
+             dict(update=64, batch_scale=1), dict(update=272, batch_scale=2)])
 
 
 @pytest.mark.parametrize('result, words', [
@@ -160,8 +182,21 @@ def _result(b_simple, batch=256, interval=10, updates=150, missing=None):
     pytest.param(_result(200.0), ['1.3x it', 'near B_simple', 'saturate'], id='near'),
     pytest.param(_result(72.0), ['3.6x it', 'beyond B_simple', 'fewer steps per example',
                                  'examples ~ 4.6x'], id='beyond'),
-    pytest.param(_result(None), ['no usable estimate after 150 updates'], id='no-estimate'),
-    pytest.param(_result(-3.0), ['no usable estimate'], id='negative-estimate'),
+    pytest.param(_result(None), ['no usable estimate at the last epoch (no update entered '
+                                 'the estimate)'], id='no-estimate'),
+    pytest.param(_result(None, epochs=[(-3.0, 1.0, -3.0)]),
+                 ['no usable estimate at the last epoch (the smoothed tr(Sigma) is not '
+                  'positive at the last epoch', 'estimated from all 150 updates'],
+                 id='negative-estimate'),
+    pytest.param(CONVERGED, ['no usable estimate at the last epoch (the smoothed |G|^2 is '
+                             'not positive from epoch 3 on', 'B_simple ~ 254 at epoch 2',
+                             'estimated from 378 of the 602 updates (224 had a window of '
+                             '1 micro-batch'], id='converged'),
+    pytest.param(_result(80.0, batch=64, updates=100, entered=84,
+                         history=[dict(update=0, batch_scale=1),
+                                  dict(update=16, batch_scale=2)]),
+                 ['B_simple ~ 80 (last epoch), from 84 of the 100 updates (16 had a window '
+                  'of 1 micro-batch', '0.8x it'], id='auto-measured'),
     pytest.param(_result(None, interval=None, missing='off (noise_scale_interval 0)'),
                  ['not measured, off'], id='not-measured'),
 ])
@@ -170,3 +205,62 @@ def test_final_line_says_where_the_batch_stands(result, words):
     assert '\n' not in line
     for word in words:
         assert word in line, line
+
+
+def test_the_account_of_a_converged_run():
+    assert noise_scale_account(CONVERGED) == dict(
+        last_b_simple=254.0, last_b_simple_epoch=2, noise_scale_left_out={'window_1': 224},
+        noise_scale_unusable='the smoothed |G|^2 is not positive from epoch 3 on: the mean '
+                             'gradient is too small against its noise for the two batch '
+                             'sizes to resolve')
+
+
+EPOCH_LINE = re.compile(r'^epoch +(\d+) .*$', re.M)
+
+
+def test_adascale_auto_run_gives_one_account(tmp_path, capsys):
+    """--lr-scaling adascale --batch-scale auto (whose windows, chosen from measured
+    times, differ from run to run): the per-epoch lines show the usable B_simple values
+    (n/a for the others), and the closing line reports the last one shown, or why the last
+    epoch has none, with the update count of the results line; summary.json says the same,
+    and every update the estimate left out had a window of 1 micro-batch."""
+    out = tmp_path / 'run'
+    assert main(['train', '--no-baseline', '--epochs', '5', '--lr-scaling', 'adascale',
+                 '--batch-scale', 'auto', '--out', str(out)]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / 'summary.json').read_text())
+    assert set(NOISE_ACCOUNT_KEYS) <= set(summary)
+    rows = _rows(out / 'metrics.csv')
+    lines = list(EPOCH_LINE.finditer(printed))
+    assert len(lines) == len(rows) == 5
+    shown = []
+    for row, match in zip(rows, lines):
+        value = re.search(r'  B_simple (\S+)', match.group(0))
+        if row['b_simple'] and float(row['b_simple']) > 0:
+            assert float(value.group(1)) == pytest.approx(float(row['b_simple']), rel=5e-3)
+            shown.append((int(row['epoch']), float(row['b_simple'])))
+        elif row['gradient_sq']:
+            assert value.group(1) == 'n/a', match.group(0)
+        else:
+            assert value is None, match.group(0)
+    assert shown
+    updates = int(re.search(r' in (\d+) updates', printed).group(1))
+    assert updates == summary['updates']
+    left = summary['noise_scale_left_out']
+    assert set(left) == {'window_1'} and left['window_1'] >= 16       # auto starts at 1
+    assert summary['noise_scale_updates'] + left['window_1'] == updates
+    closing, = [l for l in printed.splitlines() if l.startswith('gradient noise scale')]
+    assert '%d of the %d updates (%d had a window of 1 micro-batch' % (
+        summary['noise_scale_updates'], updates, left['window_1']) in closing, closing
+    epoch, value = shown[-1]
+    assert (summary['last_b_simple_epoch'], summary['last_b_simple']) == \
+        (epoch, pytest.approx(value))
+    said = re.search(r'B_simple ~ (\S+) (?:\(last epoch\)|at epoch (\d+))', closing)
+    assert float(said.group(1)) == pytest.approx(value, rel=5e-3), closing
+    if epoch == len(rows):
+        assert MEASURED_LINE.search(closing) and said.group(2) is None
+        assert summary['noise_scale_unusable'] is None
+    else:
+        assert closing.startswith('gradient noise scale: no usable estimate at the last '
+                                  'epoch (%s)' % summary['noise_scale_unusable'])
+        assert int(said.group(2)) == epoch

@@ -1,15 +1,19 @@
 """``mx-lbsgd train`` tells which parameters overflowed: steps.csv's overflow columns, the
-summary's top offenders, the labelled skip markers, the log and the falling-scale warning.
-The tallies are recounted here from steps.csv, independently of the library's."""
+summary's top offenders, the skip markers and their legend, the log and the falling-scale
+warning. The tallies are recounted here from steps.csv, independently of the library's."""
 import collections
 import csv
 import json
 import re
 
 import matplotlib.figure
+import numpy as np
 import pytest
 
+from mx_lbsgd_demo import train as train_module
 from mx_lbsgd_demo.cli import main
+from mx_lbsgd_demo.config import DEMO_DEFAULTS, TrainConfig
+from mx_lbsgd_demo.plots import plot_training
 
 pytestmark = pytest.mark.cli
 
@@ -99,7 +103,7 @@ def test_no_loss_scaling_no_reports(tmp_path):
     assert {r['overflow_parameters'] for r in steps} == {''}
 
 
-def test_the_skip_markers_carry_the_parameter(tmp_path, monkeypatch):
+def _keep_figures(monkeypatch):
     figures = []
     save = matplotlib.figure.Figure.savefig
 
@@ -108,20 +112,63 @@ def test_the_skip_markers_carry_the_parameter(tmp_path, monkeypatch):
         return save(fig, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, 'savefig', keep)
+    return figures
+
+
+def _check_skip_markers(fig, tops):
+    """The loss scale panel of `fig` marks the skipped steps whose top parameters (without
+    the net's prefix, with their kind) are `tops`: no text on the axes; a legend entry per
+    parameter, most skipped steps first (ties: first seen), up to three, then the rest
+    together; and the legend covers no point of the panel."""
+    ax, = [ax for ax in fig.axes if ax.get_title().startswith('loss scale')]
+    assert not ax.texts                     # labels only in the legend: none can overlap
+    legend = ax.get_legend()
+    assert legend.get_title().get_text().startswith('skipped (%d), ' % len(tops))
+    ranked = collections.Counter(tops).most_common()
+    expected = ['%s (%d)' % kv for kv in ranked[:3]]
+    rest = ranked[3:]
+    if len(rest) == 1:
+        expected.append('%s (%d)' % rest[0])
+    elif rest:
+        expected.append('%d others (%d)' % (len(rest), sum(n for _, n in rest)))
+    assert [t.get_text() for t in legend.get_texts()] == expected
+    box = legend.get_window_extent()
+    for line in ax.lines:
+        points = ax.transData.transform(np.column_stack(line.get_data()))
+        assert not any(box.contains(x, y) for x, y in points), line.get_label()
+
+
+def test_the_skip_markers_carry_the_parameter(tmp_path, monkeypatch):
+    figures = _keep_figures(monkeypatch)
     _, summary, steps = _train(tmp_path, ['--optimizer', 'sgd', '--dtype', 'float16',
                                           '--epochs', '2'])
-    labels = [t.get_text() for ax in figures[0].axes for t in ax.texts]
-    expected = []
+    tops = []
     for r in steps:
         if r['skipped'] == '1':
             name, kind, _ = _parse(r['overflow_parameters'])[0]
-            expected.append('%s %s' % (name.split('_', 1)[1], kind))   # without the net prefix
-    assert 1 <= len(expected) <= 8 and labels == expected
-    legend = [t.get_text() for ax in figures[0].axes if ax.get_legend()
-              for t in ax.get_legend().get_texts()]
-    name, n = summary['overflow_top_offenders'][0]
-    assert any(t.startswith('skipped step (%d)' % len(expected))
-               and '%s in %d' % (name.split('_', 1)[1], n) in t for t in legend), legend
+            tops.append('%s %s' % (name.split('_', 1)[1], kind))   # without the net prefix
+    assert len(tops) == summary['skipped_steps'] >= 1
+    _check_skip_markers(figures[0], tops)
+
+
+def test_many_skips_stay_readable(tmp_path, monkeypatch):
+    """Every step of a run skipped, with seven different top parameters: still at most
+    four legend entries, above the markers, and no text on the axes."""
+    figures = _keep_figures(monkeypatch)
+    result = train_module.train(TrainConfig(**dict(DEMO_DEFAULTS, epochs=2)),
+                                noise_scale_interval=0)
+    names = ['hybridsequential0_dense%d_%s' % (i % 3, ('weight', 'bias')[i // 3 % 2])
+             for i in range(6)]
+    tops = []
+    for i, row in enumerate(result['steps']):
+        name, kind = names[(i * i) % 6] if i % 5 else 'hybridsequential0_dense9_weight', \
+            ('inf', 'nan', 'inf+nan')[i % 3]
+        row.update(skipped=1, overflow_parameters='%s:%s:%d' % (name, kind, 100 - i),
+                   loss_scale=2.0 ** (10 + i % 7))
+        tops.append('%s %s' % (name.split('_', 1)[1], kind))
+    assert len(tops) == 84 and len(set(tops)) > 6
+    plot_training(result, str(tmp_path / 'training.png'))
+    _check_skip_markers(figures[0], tops)
 
 
 @pytest.mark.parametrize('quiet', [pytest.param(False, id='verbose'),
