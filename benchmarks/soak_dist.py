@@ -5,6 +5,8 @@ finish but whose processes do not exit.
     python benchmarks/soak_dist.py --jobs 50 --json soak.json [--stacks]
     nice -n 19 python benchmarks/soak_dist.py --jobs 200 --spinners 2 --optimizer lbsgd
     nice -n 19 python benchmarks/soak_dist.py --jobs 100 --dist-tests-every 20 --optimizer lbsgd
+    python benchmarks/soak_dist.py --job sparse --jobs 200 --spinners 2 --stacks \
+        --hang-after 10 --timeout 60 --json benchmarks/soak-dist-sparse-exit.json
 
 ``--spinners N`` keeps N processes spinning on the CPU for the whole soak (they inherit the
 soak's niceness). ``--dist-tests-every K`` runs the suite's dist tests (``--dist-tests``,
@@ -15,6 +17,13 @@ Each job: 1 scheduler, ``--servers`` servers and ``--workers`` workers; every wo
 small Gluon MLP for ``--steps`` ``trainer.step`` calls on ``kvstore='dist_sync'`` with
 ``update_on_kvstore=False``, checks that all workers hold the same weights, prints
 ``rank R done`` and exits (the kvstore is freed, and ps-lite finalized, at interpreter exit).
+
+``--job sparse`` runs tests/sparse_dist_worker.py instead (SparseEmbedding, the optimizer on
+the server; ``--sparse-config``, default the config of tests/test_sparse.py's
+``test_sparse_embedding_dist_sync_equals_one_process[lbsgd-power2-B2]``): each worker saves
+its table and prints ``rank R done``; a job whose workers' tables differ fails.
+Every worker runs with ``faulthandler.register(SIGUSR1, all_threads=True)``: a worker found
+hung at exit gets SIGUSR1 before gdb, and its Python stacks land in the job's log.
 
 Recorded per job: wall time, the launcher's exit status, every process's exit status (as the
 launcher reports it), and whether the job hung at exit: some process still alive
@@ -85,6 +94,21 @@ kv.pull(999, out=got)
 assert abs(got.asscalar() - n * total) < 1e-3 * max(1.0, abs(n * total)), (got, total)
 print('rank %d done' % rank, flush=True)
 '''
+
+
+# Runs a worker script with Python's stacks on SIGUSR1 (to the job's output), e.g.
+# ``python -c WRAP tests/sparse_dist_worker.py CFG OUT``.
+WRAP = """\
+import faulthandler, runpy, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+SPARSE_WORKER = os.path.join(ROOT, 'tests', 'sparse_dist_worker.py')
+# tests/test_sparse.py: test_sparse_embedding_dist_sync_equals_one_process[lbsgd-power2-B2]
+SPARSE_CONFIG = dict(optimizer='lbsgd', params=dict(
+    warmup_strategy='power2', batch_scale=2, warmup_epochs=1, updates_per_epoch=2),
+    kvstore='dist_sync')
 
 
 class _Watch(io.TextIOBase):
@@ -191,6 +215,12 @@ def _monitor(watch, pids, hang_after, stacks, record, stop):
     if not alive:
         return
     record['hung'] = {label: dict(pid=pid, wchan=_wchan(pid)) for label, pid in alive.items()}
+    for label, pid in alive.items():
+        if label.startswith('worker'):     # Python stacks into the job's output (WRAP)
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
     if stacks:
         for label, pid in alive.items():
             record['hung'][label]['stack'] = _stacks(pid)
@@ -209,11 +239,15 @@ def run_job(index, args, workdir):
         kwargs['env']['PS_VERBOSE'] = '1'
     if 'report' in launch_module.launch.__code__.co_varnames:
         kwargs['report'] = report
+    if args.job == 'sparse':
+        out = tempfile.mkdtemp(prefix='job%d_' % index, dir=workdir)
+        command = [sys.executable, '-c', WRAP, SPARSE_WORKER, args.sparse_config, out]
+    else:
+        command = [sys.executable, '-c', WRAP, os.path.join(workdir, 'worker.py'),
+                   args.optimizer, str(args.steps)]
     monitor.start()
     start = time.monotonic()
-    status = launch_module.launch(
-        [sys.executable, os.path.join(workdir, 'worker.py'), args.optimizer, str(args.steps)],
-        args.workers, args.servers, **kwargs)
+    status = launch_module.launch(command, args.workers, args.servers, **kwargs)
     wall = time.monotonic() - start
     stop.set()
     monitor.join()
@@ -225,13 +259,27 @@ def run_job(index, args, workdir):
                   if done else None,
                   processes=report.get('processes'),
                   launcher_lines=[line for _, line in watch.lines if line.startswith('[launch]')])
-    record['failed'] = bool(status != 0 or len(done) != args.workers or left)
+    if args.job == 'sparse':
+        record['tables_equal'] = _tables_equal(out, args.workers)
+        shutil.rmtree(out, ignore_errors=True)
+    record['failed'] = bool(status != 0 or len(done) != args.workers or left or
+                            record.get('tables_equal') is False)
     if record['failed'] or record.get('hung'):
         record['log_tail'] = [line for _, line in watch.lines][-60:]
     if record['failed']:
         record['sockets'] = _sockets()
     record.setdefault('hung', {})
     return record
+
+
+def _tables_equal(out, workers):
+    """Whether every worker saved the same table (False also when one is missing)."""
+    import numpy as np
+    try:
+        tables = [np.load(os.path.join(out, 'rank%d.npy' % r)) for r in range(workers)]
+    except OSError:
+        return False
+    return all(np.array_equal(tables[0], t) for t in tables[1:])
 
 
 def _table(records):
@@ -257,9 +305,19 @@ def _machine():
     with open('/proc/cpuinfo') as f:
         model = next((line.split(':', 1)[1].strip() for line in f
                       if line.startswith('model name')), '?')
+    with open('/proc/cpuinfo') as f:
+        flags = next((line.split(':', 1)[1].split() for line in f
+                      if line.startswith('flags')), [])
     with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
         ports = '-'.join(f.read().split())
-    return dict(cpu=model, cores=os.cpu_count(), nice=os.nice(0), ephemeral_ports=ports)
+    return dict(cpu=model, cores=os.cpu_count(), nice=os.nice(0), ephemeral_ports=ports,
+                avx2='avx2' in flags, avx512f='avx512f' in flags,
+                avx512_flags=sorted(f for f in flags if f.startswith('avx512')))
+
+
+def _load():
+    with open('/proc/loadavg') as f:
+        return [float(x) for x in f.read().split()[:3]]
 
 
 def main(argv=None):
@@ -269,6 +327,12 @@ def main(argv=None):
     parser.add_argument('--servers', type=int, default=1, help='servers per job (default 1)')
     parser.add_argument('--timeout', type=float, default=60,
                         help="launcher's --timeout per job in s (default 60)")
+    parser.add_argument('--job', default='mlp', choices=['mlp', 'sparse'],
+                        help='mlp: the Gluon MLP worker above (default); sparse: '
+                             'tests/sparse_dist_worker.py with --sparse-config')
+    parser.add_argument('--sparse-config', default=json.dumps(SPARSE_CONFIG),
+                        help='CONFIG_JSON of tests/sparse_dist_worker.py (default: the '
+                             "lbsgd-power2-B2 case of tests/test_sparse.py)")
     parser.add_argument('--optimizer', default='sgd', choices=['sgd', 'lbsgd'])
     parser.add_argument('--steps', type=int, default=3, help='trainer.step calls per job')
     parser.add_argument('--hang-after', type=float, default=3.0,
@@ -290,15 +354,21 @@ def main(argv=None):
                         help='the dist tests command (run in the repository)')
     parser.add_argument('--json', help='write the records and summary here')
     parser.add_argument('--verbose', action='store_true', help="echo the jobs' output")
+    parser.add_argument('--exit-hang', type=float,
+                        help="diagnosis: override the launcher's wait after the scheduler "
+                             'exited 0 (leaves time for --stacks)')
     args = parser.parse_args(argv)
     if args.linger is not None:
         launch_module._LINGER = args.linger
+    if args.exit_hang is not None:
+        launch_module._EXIT_HANG = args.exit_hang
 
     workdir = tempfile.mkdtemp(prefix='soak_dist_')
     with open(os.path.join(workdir, 'worker.py'), 'w') as f:
         f.write(textwrap.dedent(WORKER))
     records, dist_runs = [], []
     started = time.time()
+    load_start = _load()
     spinners = [subprocess.Popen([sys.executable, '-c', 'while True: pass'])
                 for _ in range(args.spinners)]
     try:
@@ -321,6 +391,9 @@ def main(argv=None):
         shutil.rmtree(workdir, ignore_errors=True)
     walls = [r['wall_s'] for r in records]
     summary = dict(
+        command=' '.join(shlex.quote(a) for a in [sys.executable] + sys.argv),
+        date=time.strftime('%Y-%m-%dT%H:%M:%S%z', time.localtime(started)),
+        loadavg_start=load_start, loadavg_end=_load(),
         jobs=len(records), ok=sum(not r['failed'] for r in records),
         failed=sum(r['failed'] for r in records),
         nonzero_status=sum(r['status'] != 0 for r in records),

@@ -31,6 +31,7 @@ import copy
 import json
 import os
 import sys
+import weakref
 
 import numpy as np
 import mxnet as mx
@@ -39,6 +40,7 @@ from mxnet import autograd, gluon, nd
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mx_lbsgd  # noqa: E402
 from harness import digits, mlp  # noqa: E402
+from sparse_dist_worker import end_dist_worker  # noqa: E402
 
 X, Y, _, _ = digits()
 
@@ -328,6 +330,7 @@ def train(cfg, kv=None, rank=0, num_workers=1):
 
 
 def main():
+    """Train and save; a weakref to the kvstore of a dist job (for `end_dist_worker`)."""
     cfg, out = json.loads(sys.argv[1]), sys.argv[2]
     if cfg.get('module_update_on_kvstore') is not None:
         os.environ['MXNET_UPDATE_ON_KVSTORE'] = str(int(cfg['module_update_on_kvstore']))
@@ -356,8 +359,11 @@ def main():
     if INFO:
         with open(os.path.join(out, 'rank%d.info.json' % rank), 'w') as f:
             json.dump(INFO, f)
-    print('rank %d done' % rank)
+    print('rank %d done' % rank, flush=True)
+    return weakref.ref(kv) if kv is not None and 'dist' in kv.type else None
 
 
 if __name__ == '__main__':
-    main()
+    KV_REF = main()
+    if KV_REF is not None:      # once main's frame is gone: see end_dist_worker
+        end_dist_worker(KV_REF)

@@ -5,6 +5,7 @@ after unscale(), the norms and the weights to OUT/rank<r>.npz."""
 import json
 import os
 import sys
+import weakref
 
 import numpy as np
 import mxnet as mx
@@ -12,9 +13,11 @@ from mxnet import autograd, gluon, nd
 
 import mx_lbsgd
 from harness import digits, mlp
+from sparse_dist_worker import end_dist_worker
 
 
 def main(cfg, out):
+    """Train and save; a weakref to the kvstore of a dist job (for `end_dist_worker`)."""
     x_all, y_all, _, _ = digits()
     net = mlp(hidden=16)
     params = net.collect_params()
@@ -53,7 +56,10 @@ def main(cfg, out):
     record['mean_factor'] = np.array(mx_lbsgd._compat.reduced_gradient_mean_factor(trainer))
     np.savez(os.path.join(out, 'rank%d.npz' % rank), **record)
     mx.nd.waitall()
+    return weakref.ref(kv) if cfg['engine'] != 'horovod' else None
 
 
 if __name__ == '__main__':
-    main(json.loads(sys.argv[1]), sys.argv[2])
+    KV_REF = main(json.loads(sys.argv[1]), sys.argv[2])
+    if KV_REF is not None:      # once main's frame is gone: see end_dist_worker
+        end_dist_worker(KV_REF)
