@@ -33,17 +33,38 @@ tests/harness.py), ``hang`` (no end within ``--timeout`` s: horovodrun gets SIGT
 SIGKILL), ``fail`` (anything else unexpected) or ``ok``. The whole output of every job that
 is not ``ok`` goes to ``--keep`` DIR. The JSON (rewritten after every job, so an
 interrupted soak keeps its counts) holds the settings, the machine, the counts per kind
-and per job family, wall time, jobs per minute and the load average seen.
+and per job family, wall time, jobs per minute and the load average seen, with the
+command, the date, the CPU model and its vector extensions.
 ``--sharded K`` adds K runs of ``mx-lbsgd mlm --horovod --shard-states`` (12 steps, the
-sharded exchange) and ``--hvd-broadcast`` makes the exit worker use Horovod's own
-``hvd.broadcast_parameters`` (to measure the defect `mx_lbsgd.distributed.collectives`
-avoids). ``--plant-hang N`` adds N runs of the exit worker's ``stuck`` mode with a
+sharded exchange). ``--plant-hang N`` adds N runs of the exit worker's ``stuck`` mode with a
 ``--plant-timeout`` bound, which must be caught as hangs with stacks.
+
+``--hvd-broadcast N`` soaks a plain user script instead of the suite's jobs (`USER_SCRIPT`,
+written to a temporary file; like Horovod's MXNet examples): ``hvd.init()``, a small Gluon
+MLP, ``hvd.broadcast_parameters`` (Horovod's own MXNet broadcast, one per parameter array),
+``hvd.DistributedTrainer`` with the package's ``'lblamb'``, a few steps, and the end of the
+script with the last step's collectives still queued. It runs N times with each
+interpreter of ``--python NAME=PATH`` (repeatable; default the soak's own), alternating
+between them, each under the ``horovodrun`` next to it and with only its own installed
+packages (the repository is not on its path): two environments with Horovod built stock
+and patched (``HOROVOD_STOCK=1`` and not, scripts/install_horovod.sh) compare the two
+builds under the same load. A run passes when it exits 0 and both ranks print their
+``done`` line; the counts are per build (``by_family``: ``hvd-broadcast-NAME``), and a
+crash or hang whose output or stacks show ``EnqueueTensorBroadcast`` says so in its note.
+``--widen SECONDS`` runs each rank under gdb, which holds every thread for SECONDS right
+after it put a tensor on Horovod's queue (`WIDEN_GDB`): the defect's window, made wide
+enough that the collective finishes inside it, every time.
+
+    python benchmarks/soak_horovod.py --hvd-broadcast 300 --burners 2 --timeout 60 \
+        --python stock=/tmp/hvd-stock-venv/bin/python \
+        --python patched=/tmp/hvd-patched-venv/bin/python \
+        --json benchmarks/soak-horovod-broadcast.json --keep soak-broadcast-failures
 
 Every rank is watched while its job runs (psutil, every 0.2 s): its peak resident memory
 and its wall time go into the record, and a rank above 2x the median of its job family in
-either fails the job (``outlier``). A job that passes ``--timeout`` gets its stacks before
-it is killed: each rank's Python stacks (SIGUSR1, which a ``sitecustomize`` on the
+either fails the job (``outlier``). A rank above ``--rss-limit`` MB (a runaway copy) gets
+the job killed at once, counted as a crash. A job that passes ``--timeout`` gets its stacks
+before it is killed: each rank's Python stacks (SIGUSR1, which a ``sitecustomize`` on the
 workers' path registers with ``faulthandler`` for all threads) and native stacks
 (``gdb -p PID -batch -ex 'thread apply all bt'``); a crashed job with ``--cores`` gets the
 native stacks of its core file. The stacks go into the job's record in the JSON and into
@@ -69,6 +90,7 @@ import sys
 import tempfile
 import threading
 import time
+import datetime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, 'tests')
@@ -81,24 +103,124 @@ DIST_WORKER = os.path.join(TESTS, 'dist_worker.py')
 EXIT_WORKER = os.path.join(TESTS, 'hvd_exit_worker.py')
 SIGNALLED = re.compile(r'exit with status code -\d+|exited with non-zero status.*\n'
                        r'.*\n.*Exit code: -\d+')
+#: the CPU's vector extensions that the results name (those /proc/cpuinfo lists)
+CPU_FLAGS = ('avx', 'avx2', 'fma', 'avx512f', 'avx512bw', 'avx512vl', 'avx512_vnni',
+             'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile')
+#: where the Horovod defect of --hvd-broadcast shows in a crashed or hung job's stacks
+UAF_FRAMES = ('EnqueueTensorBroadcast', 'EnqueueTensorAlltoall')
+
+#: The plain user script of --hvd-broadcast (argv: number of hidden layers, steps). Its
+#: rank prints "rank R done" after the loop; the last step's collectives are still queued
+#: in MXNet's engine when it ends.
+USER_SCRIPT = '''\
+import sys
+
+import mxnet as mx
+from mxnet import autograd, gluon
+import horovod.mxnet as hvd
+import mx_lbsgd  # noqa: F401  (registers 'lblamb')
+
+layers, steps = int(sys.argv[1]), int(sys.argv[2])
+hvd.init()
+mx.random.seed(hvd.rank())
+net = gluon.nn.HybridSequential()
+for _ in range(layers):
+    net.add(gluon.nn.Dense(32, activation='relu'))
+net.add(gluon.nn.Dense(10))
+net.initialize(mx.init.Xavier())
+net(mx.nd.zeros((1, 32)))
+params = net.collect_params()
+hvd.broadcast_parameters(params, root_rank=0)
+trainer = hvd.DistributedTrainer(params, 'lblamb', {'learning_rate': 0.01 * hvd.size()})
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+for step in range(steps):
+    x = mx.nd.random.uniform(-1, 1, (32, 32))
+    y = mx.nd.random.randint(0, 10, (32,)).astype('float32')
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(32)
+print('rank %d done' % hvd.rank(), flush=True)
+'''
+
+#: --widen: a gdb script (non-stop: only the thread that hit a breakpoint stops) that holds
+#: each thread for DELAY s right after Horovod's TensorQueue::AddToTensorQueue returns: in
+#: EnqueueTensorBroadcast / EnqueueTensorAlltoall, the window between enqueuing and reading
+#: the name, wide enough for the collective to finish and MXNet to free the name.
+WIDEN_GDB = '''\
+import time
+import gdb
+
+DELAY, held = %r, [0]
+
+
+class AfterEnqueue(gdb.FinishBreakpoint):
+    def stop(self):
+        held[0] += 1
+        time.sleep(DELAY)
+        return False
+
+    def out_of_scope(self):
+        pass
+
+
+class Enqueue(gdb.Breakpoint):
+    def stop(self):
+        AfterEnqueue(gdb.newest_frame(), internal=True)
+        return False
+
+
+for command in ('set pagination off', 'set non-stop on', 'set breakpoint pending on',
+                'handle SIGPIPE nostop noprint pass'):
+    gdb.execute(command)
+Enqueue('horovod::common::TensorQueue::AddToTensorQueue')
+gdb.execute('run')
+print('widen: held %%d enqueues for %%.2f s each' %% (held[0], DELAY))
+for thread in gdb.selected_inferior().threads():
+    if thread.is_valid() and thread.is_stopped():
+        thread.switch()
+        print('widen: thread %%d stopped' %% thread.num)
+        gdb.execute('bt 12')
+'''
+
+
+def cpu_info():
+    """(model name, [the CPU_FLAGS it has]) from /proc/cpuinfo."""
+    cpu, flags = platform.processor() or 'unknown CPU', []
+    try:
+        with open('/proc/cpuinfo') as f:
+            lines = f.read().splitlines()
+        cpu = next(line.split(':', 1)[1].strip() for line in lines
+                   if line.startswith('model name'))
+        have = next(line.split(':', 1)[1].split() for line in lines
+                    if line.startswith('flags'))
+        flags = [flag for flag in CPU_FLAGS if flag in have]
+    except (OSError, StopIteration):
+        pass
+    return cpu, flags
+
+
+def versions(python, plain=False):
+    """mxnet, Horovod (its distribution's version: a patched build has a local label),
+    mx_lbsgd and whether its native library is built, in `python`'s environment (`plain`:
+    without the repository on the path)."""
+    out = subprocess.run(
+        [python, '-c', 'import importlib.metadata as md, mxnet, horovod, mx_lbsgd; '
+         'print(mxnet.__version__, md.version("horovod"), mx_lbsgd.__version__, '
+         'mx_lbsgd.native_library() is not None)'],
+        capture_output=True, text=True, env=_env('1', plain=plain), cwd=tempfile.gettempdir()
+    ).stdout.split()
+    return dict(mxnet=out[0] if out else None, horovod=out[1] if len(out) > 1 else None,
+                mx_lbsgd=out[2] if len(out) > 2 else None,
+                native_library_built=out[3] == 'True' if len(out) > 3 else None)
 
 
 def machine():
-    cpu = platform.processor() or 'unknown CPU'
-    try:
-        with open('/proc/cpuinfo') as f:
-            cpu = next(line.split(':', 1)[1].strip() for line in f
-                       if line.startswith('model name'))
-    except (OSError, StopIteration):
-        pass
-    versions = subprocess.run(
-        [sys.executable, '-c', 'import mxnet, horovod, mx_lbsgd; '
-         'print(mxnet.__version__, horovod.__version__, mx_lbsgd.native_library() is not None)'],
-        capture_output=True, text=True, env=_env('1')).stdout.split()
-    return dict(cpu=cpu, cpus=os.cpu_count(), python=platform.python_version(),
-                mxnet=versions[0] if versions else None,
-                horovod=versions[1] if len(versions) > 1 else None,
-                native_library_built=versions[2] == 'True' if len(versions) > 2 else None)
+    cpu, flags = cpu_info()
+    found = versions(sys.executable)
+    return dict(cpu=cpu, cpu_flags=flags, cpus=os.cpu_count(),
+                python=platform.python_version(), mxnet=found['mxnet'],
+                horovod=found['horovod'], native_library_built=found['native_library_built'])
 
 
 #: put first on the workers' PYTHONPATH: SIGUSR1 prints every thread's Python stack
@@ -108,12 +230,15 @@ with open(os.path.join(_SITE, 'sitecustomize.py'), 'w') as _f:
              'faulthandler.register(signal.SIGUSR1, all_threads=True)\n')
 
 
-def _env(native, cores=False):
+def _env(native, cores=False, plain=False):
+    """The workers' environment; `plain`: the repository is not on the path (a user's
+    script with the packages installed in its interpreter's environment)."""
     env = dict(os.environ, MX_LBSGD_NATIVE=native, PYTHONFAULTHANDLER='1',
                OMP_NUM_THREADS='1')
     if cores:      # MXNet's handler exits without a core; faulthandler re-raises the signal
         env['MXNET_USE_SIGNAL_HANDLER'] = '0'
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [_SITE, ROOT, env.get('PYTHONPATH')]))
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [_SITE] + ([] if plain else [ROOT]) +
+                                               [env.get('PYTHONPATH')]))
     return env
 
 
@@ -138,11 +263,13 @@ def _ranks(proc):
 
 
 class _Watch(threading.Thread):
-    """Peak resident memory and wall time of every rank process of one job."""
+    """Peak resident memory and wall time of every rank process of one job; a rank above
+    `limit_mb` gets the job killed (`runaway` holds its pid and size)."""
 
-    def __init__(self, proc):
+    def __init__(self, proc, limit_mb=None):
         super().__init__(daemon=True)
         self.proc, self.seen, self.done = proc, {}, threading.Event()
+        self.limit_mb, self.runaway = limit_mb, None
 
     def run(self):
         import psutil
@@ -156,6 +283,13 @@ class _Watch(threading.Thread):
                 entry = self.seen.setdefault(c.pid, dict(start=now, end=now, rss=0,
                                                          cmd=' '.join(c.cmdline()[1:3])))
                 entry['end'], entry['rss'] = now, max(entry['rss'], rss)
+                if self.limit_mb and rss > self.limit_mb * 2 ** 20 and not self.runaway:
+                    self.runaway = (c.pid, round(rss / 2 ** 20))
+                    for r in _ranks(self.proc) + [self.proc]:
+                        try:
+                            r.kill()
+                        except (OSError, psutil.Error):
+                            pass
             self.done.wait(0.2)
 
     def ranks(self):
@@ -190,17 +324,18 @@ def stacks_of(proc):
     return '\n'.join(parts)
 
 
-def core_stacks(folder):
-    """The native stacks of every core file under `folder` (gdb on python and the core)."""
+def core_stacks(folder, python=None):
+    """The native stacks of every core file under `folder` (gdb on `python`, default the
+    soak's own, and the core)."""
     parts = []
     for dirpath, _, files in os.walk(folder):
         for name in files:
             if name == 'core' or name.startswith('core.'):
                 path = os.path.join(dirpath, name)
                 try:
-                    gdb = subprocess.run(['gdb', sys.executable, path, '-batch', '-ex',
-                                          'thread apply all bt'], capture_output=True,
-                                         text=True, timeout=300)
+                    gdb = subprocess.run([
+                        'gdb', python or sys.executable, path, '-batch', '-ex',
+                        'thread apply all bt'], capture_output=True, text=True, timeout=300)
                     parts.append('---- core %s ----\n%s' % (path, gdb.stdout[-200000:]))
                 except (OSError, subprocess.TimeoutExpired) as err:
                     parts.append('---- core %s: gdb failed: %s' % (path, err))
@@ -227,16 +362,20 @@ def _allow_cores():
 _LAST = threading.local()
 
 
-def run_job(argv, native, timeout, cwd, cores=False):
-    """(kind, seconds, exit status or None, output) of one horovodrun job. `cores`: workers
-    may dump core (where kernel.core_pattern says), with MXNet's segfault handler off.
+def run_job(argv, native, timeout, cwd, cores=False, rss_limit=None, plain=False,
+            horovodrun=None):
+    """(kind, seconds, exit status or None, output) of one horovodrun job (`horovodrun`,
+    default the one next to ``argv[0]``, the job's interpreter). `cores`: workers may dump
+    core (where kernel.core_pattern says), with MXNet's segfault handler off. `rss_limit`:
+    MB a rank may reach before the job is killed (a crash). `plain`: see `_env`.
     Afterwards `last_job()` holds the ranks' peak memory and wall time and any stacks."""
     start = time.monotonic()
-    proc = subprocess.Popen([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2'] + argv,
+    horovodrun = horovodrun or os.path.join(os.path.dirname(argv[0]), 'horovodrun')
+    proc = subprocess.Popen([horovodrun, '--gloo', '-np', '2', '-H', 'localhost:2'] + argv,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(native, cores), cwd=cwd,
+                            env=_env(native, cores, plain), cwd=cwd,
                             preexec_fn=_allow_cores if cores else None)
-    watch = _Watch(proc)
+    watch = _Watch(proc, rss_limit)
     watch.start()
     _LAST.stacks = ''
     collected = []
@@ -263,10 +402,12 @@ def run_job(argv, native, timeout, cwd, cores=False):
     seconds = time.monotonic() - start
     if hung:
         return 'hang', seconds, None, out + '\n' + _LAST.stacks
+    if watch.runaway:
+        out += '\nsoak: rank pid %d reached %d MB (--rss-limit): job killed\n' % watch.runaway
     crashed = [m for m in harness.CRASH_MARKS if m in out] or SIGNALLED.findall(out)
-    if crashed or proc.returncode < 0:
+    if crashed or proc.returncode < 0 or watch.runaway:
         if cores:
-            _LAST.stacks = core_stacks(cwd)
+            _LAST.stacks = core_stacks(cwd, argv[0] if 'python' in argv[0] else None)
         return 'crash', seconds, proc.returncode, out + '\n' + _LAST.stacks
     return 'ok', seconds, proc.returncode, out
 
@@ -285,11 +426,19 @@ class Soak:
         self.start = time.monotonic()
         self.loads = []
         self.stop = threading.Event()
+        self.command, self.date, self.machine, self.builds = '', '', {}, {}
+        self.user_script = self.widen_script = None
+        self.rounds, self.skipped = set(), 0      # (rounds of builds started, units not run)
 
     # -- units: each returns [(family, name, kind, seconds, code, output, note)] ---------
+    def job(self, argv, native, tmp, timeout=None, plain=False, horovodrun=None):
+        """run_job with the soak's settings."""
+        return run_job(argv, native, timeout or self.args.timeout, tmp, self.args.cores,
+                       self.args.rss_limit, plain, horovodrun)
+
     def dist(self, name, cfg, native, tmp):
-        kind, sec, code, out = run_job([sys.executable, DIST_WORKER, json.dumps(cfg), tmp],
-                                       native, self.args.timeout, tmp, self.args.cores)
+        kind, sec, code, out = self.job([sys.executable, DIST_WORKER, json.dumps(cfg), tmp],
+                                        native, tmp)
         seen = last_job()
         note = ''
         if kind == 'ok' and code != 0:
@@ -315,8 +464,7 @@ class Soak:
                  ('mlm-resume', ['--out', os.path.join(tmp, 'resumed'), '--resume', stopped])]
         rows = []
         for name, extra in steps:
-            kind, sec, code, out = run_job(base + extra, native, self.args.timeout, tmp,
-                                           self.args.cores)
+            kind, sec, code, out = self.job(base + extra, native, tmp)
             seen = last_job()
             note = ''
             if kind == 'ok' and code != 0:
@@ -336,9 +484,8 @@ class Soak:
 
     def exit_worker(self, mode, native, tmp):
         argv = [sys.executable, EXIT_WORKER, mode] + \
-            (['--unprotected'] if self.args.unprotected else []) + \
-            (['--hvd-broadcast'] if self.args.hvd_broadcast else [])
-        kind, sec, code, out = run_job(argv, native, self.args.timeout, tmp, self.args.cores)
+            (['--unprotected'] if self.args.unprotected else [])
+        kind, sec, code, out = self.job(argv, native, tmp)
         seen = last_job()
         note = ''
         if kind == 'ok':
@@ -358,7 +505,7 @@ class Soak:
         argv = [sys.executable, '-m', 'mx_lbsgd_demo', 'mlm', '--horovod', '--steps', '12',
                 '--warmup', '2', '--quiet', '--shard-states', '--out',
                 os.path.join(tmp, 'out')]
-        kind, sec, code, out = run_job(argv, native, self.args.timeout, tmp, self.args.cores)
+        kind, sec, code, out = self.job(argv, native, tmp)
         seen = last_job()
         note = ''
         if kind == 'ok' and code != 0:
@@ -371,14 +518,40 @@ class Soak:
         """The exit worker's ``stuck`` mode under --plant-timeout: a hang that must be
         caught, with every rank's Python and native stacks."""
         argv = [sys.executable, EXIT_WORKER, 'stuck']
-        kind, sec, code, out = run_job(argv, native, self.args.plant_timeout, tmp,
-                                       self.args.cores)
+        kind, sec, code, out = self.job(argv, native, tmp, self.args.plant_timeout)
         seen = last_job()
         stacks = seen[1]
         caught = kind == 'hang' and 'Thread 1' in stacks and 'most recent call first' in out
         return [('planted-hang', 'stuck', 'ok' if caught else 'fail', sec, code, out,
                  'caught with stacks' if caught else 'not caught as a hang with stacks',
                  seen)]
+
+    def user_broadcast(self, build, native, tmp):
+        """`USER_SCRIPT` (Horovod's own broadcast_parameters) with the interpreter of
+        `build` (a --python NAME): passes when it exits 0 and both ranks print 'done'."""
+        python = dict(self.args.python)[build]
+        argv = [python, self.user_script, str(self.args.user_layers),
+                str(self.args.user_steps)]
+        if self.args.widen:
+            argv = ['gdb', '-q', '-batch', '-x', self.widen_script, '--args'] + argv
+        kind, sec, code, out = self.job(
+            argv, native, tmp, plain=True,
+            horovodrun=os.path.join(os.path.dirname(python), 'horovodrun'))
+        seen = last_job()
+        note = ''
+        if kind == 'ok' and code != 0:
+            kind, note = 'fail', 'exit %d' % code
+        elif kind == 'ok' and any('rank %d done' % r not in out for r in range(2)):
+            kind, note = 'fail', "a rank did not print 'done'"
+        elif kind != 'ok':
+            frames = [f for f in UAF_FRAMES if f in out]
+            note = '; '.join((['in %s' % ', '.join(frames)] if frames else []) +
+                             (['runaway memory'] if '(--rss-limit): job killed' in out else []))
+        if self.args.widen:        # how many enqueues gdb held on each rank
+            held = dict(re.findall(r'\[(\d)\]<stdout>:widen: held (\d+) enqueues', out))
+            note = '; '.join(filter(None, [note, 'held %s enqueues on ranks 0/1' % '/'.join(
+                held.get(r, '?') for r in '01')]))
+        return [('hvd-broadcast-' + build, build, kind, sec, code, out, note, seen)]
 
     # -- driver ----------------------------------------------------------------------------
     def units(self):
@@ -409,7 +582,11 @@ class Soak:
             yield ('planted',)
 
     def all_units(self):
-        """`units`, with the sharded runs spread evenly among them."""
+        """`units`, with the sharded runs spread evenly among them; with --hvd-broadcast,
+        its runs alone, alternating between the builds (rounds of one run of each)."""
+        if self.args.hvd_broadcast:
+            return [('user', name, k) for k in range(self.args.hvd_broadcast)
+                    for name, _ in self.args.python]
         base = list(self.units())
         if not self.args.sharded:
             return base
@@ -422,14 +599,33 @@ class Soak:
                 left -= 1
         return out + [('sharded',)] * left
 
-    def run_unit(self, unit):
+    def due(self, unit):
+        """Whether `unit` still runs: not after SIGTERM, nor once --max-minutes have passed
+        (the rest of a round of builds that started still runs)."""
         if self.stop.is_set():
+            return False
+        limit = self.args.max_minutes
+        with self.lock:
+            if unit[0] == 'user' and unit[2] in self.rounds:
+                return True
+            if limit and time.monotonic() - self.start > limit * 60:
+                self.skipped += 1
+                return False
+            if unit[0] == 'user':
+                self.rounds.add(unit[2])
+        return True
+
+    def run_unit(self, unit):
+        if not self.due(unit):
             return
         index = next(self.counter)
-        native = {'1': '1', '0': '0'}.get(self.args.native, '1' if index % 2 == 0 else '0')
+        turn = unit[2] if unit[0] == 'user' else index      # (a round of builds: one turn)
+        native = {'1': '1', '0': '0'}.get(self.args.native, '1' if turn % 2 == 0 else '0')
         tmp = tempfile.mkdtemp(prefix='soak-hvd-')
         try:
-            if unit[0] == 'dist':
+            if unit[0] == 'user':
+                rows = self.user_broadcast(unit[1], native, tmp)
+            elif unit[0] == 'dist':
                 rows = self.dist(unit[1], unit[2], native, tmp)
             elif unit[0] == 'mlm':
                 rows = self.mlm(native, tmp)
@@ -446,6 +642,7 @@ class Soak:
             for family, name, kind, sec, code, out, note, (ranks, stacks) in rows:
                 n = len(self.records)
                 self.records.append(dict(index=n, family=family, name=name, native=native,
+                                         **({'build': name} if unit[0] == 'user' else {}),
                                          kind=kind, seconds=round(sec, 2), code=code,
                                          note=note, load=round(load, 2), ranks=ranks,
                                          **({'stacks': stacks} if stacks else {})))
@@ -486,9 +683,14 @@ class Soak:
         two_rank = [r for r in self.records if r['family'] in ('dist', 'mlm')]
         wall = time.monotonic() - self.start
         return dict(
+            command=self.command, date=self.date,
             settings=vars(self.args), machine=self.machine,
+            **({'builds': self.builds, 'user_script': USER_SCRIPT}
+               if self.args.hvd_broadcast else {}),
+            **({'widen_gdb': WIDEN_GDB % self.args.widen} if self.args.widen else {}),
             wall_seconds=round(wall, 1),
             jobs=len(self.records), two_rank_jobs=len(two_rank),
+            units_not_run_after_max_minutes=self.skipped,
             exit_worker_runs={m: sum(r['family'] == 'exit-' + m for r in self.records)
                               for m in ('queued', 'raise')},
             counts={k: sum(r['kind'] == k for r in self.records) for k in kinds},
@@ -551,8 +753,28 @@ def main(argv=None):
                    help="exit worker without the package's exit drain (baseline)")
     p.add_argument('--sharded', type=int, default=0,
                    help='runs of mx-lbsgd mlm --horovod --shard-states (default 0)')
-    p.add_argument('--hvd-broadcast', action='store_true',
-                   help="exit worker with Horovod's own broadcast_parameters")
+    p.add_argument('--hvd-broadcast', type=int, default=0, metavar='N',
+                   help="instead of the suite's jobs: N runs per --python of a plain user "
+                        "script with Horovod's own broadcast_parameters (USER_SCRIPT)")
+    p.add_argument('--python', action='append', default=[], metavar='NAME=PATH',
+                   help='an interpreter (its environment: a Horovod build) that '
+                        '--hvd-broadcast runs, under its own horovodrun; repeatable '
+                        '(default: this one, as NAME "current")')
+    p.add_argument('--user-layers', type=int, default=16,
+                   help="hidden layers of --hvd-broadcast's MLP (default 16: 34 parameter "
+                        "arrays, one broadcast each)")
+    p.add_argument('--user-steps', type=int, default=4,
+                   help="training steps of --hvd-broadcast's script (default 4)")
+    p.add_argument('--widen', type=float, default=0, metavar='SECONDS',
+                   help="--hvd-broadcast's ranks run under gdb, which holds each thread "
+                        "SECONDS right after it put a tensor on Horovod's queue (WIDEN_GDB): "
+                        "the defect's window made wide (default 0: no gdb)")
+    p.add_argument('--max-minutes', type=float, default=0,
+                   help='start no unit (no round of --hvd-broadcast builds) after this many '
+                        'minutes (default 0: no limit)')
+    p.add_argument('--rss-limit', type=float, default=4096,
+                   help='MB of resident memory a rank may reach before its job is killed '
+                        'and counted as a crash (default 4096)')
     p.add_argument('--plant-hang', type=int, default=0,
                    help="runs of the exit worker's stuck mode, caught as hangs")
     p.add_argument('--plant-timeout', type=float, default=20.0,
@@ -565,18 +787,42 @@ def main(argv=None):
                         'gdb python CORE for the native stack of every thread')
     args = p.parse_args(argv)
     for name in ('jobs', 'queued', 'raising', 'burners', 'mlm_every', 'sharded',
-                 'plant_hang'):
+                 'plant_hang', 'hvd_broadcast'):
         if getattr(args, name) < 0:
             p.error('argument --%s: must be >= 0, got %d'
                     % (name.replace('_', '-'), getattr(args, name)))
     if args.parallel < 1:
         p.error('argument --parallel: must be >= 1, got %d' % args.parallel)
-    if not os.path.exists(HOROVODRUN):
-        p.error('horovodrun not found next to %s (bash scripts/install_horovod.sh)'
-                % sys.executable)
+    try:
+        args.python = [tuple(x.split('=', 1)) for x in args.python] or \
+            [('current', sys.executable)]
+        args.python = [(name, os.path.abspath(path)) for name, path in args.python]
+    except ValueError:
+        p.error('argument --python: expected NAME=PATH, got %r' % args.python)
+    if len({name for name, _ in args.python}) < len(args.python):
+        p.error('argument --python: each NAME once')
+    for python in [path for _, path in args.python] if args.hvd_broadcast else \
+            [sys.executable]:
+        if not os.path.exists(os.path.join(os.path.dirname(python), 'horovodrun')):
+            p.error('horovodrun not found next to %s (bash scripts/install_horovod.sh)'
+                    % python)
     soak = Soak(args)
+    soak.command = ' '.join(['python', 'benchmarks/soak_horovod.py'] +
+                            (sys.argv[1:] if argv is None else list(argv)))
+    soak.date = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')
     soak.machine = machine()
     print('machine: %s' % soak.machine, flush=True)
+    if args.hvd_broadcast:
+        soak.builds = {name: dict(python=path, **versions(path, plain=True))
+                       for name, path in args.python}
+        print('builds: %s' % soak.builds, flush=True)
+        soak.user_script = os.path.join(_SITE, 'user_broadcast.py')
+        with open(soak.user_script, 'w') as f:
+            f.write(USER_SCRIPT)
+        if args.widen:
+            soak.widen_script = os.path.join(_SITE, 'widen_gdb.py')
+            with open(soak.widen_script, 'w') as f:
+                f.write(WIDEN_GDB % args.widen)
     import multiprocessing
     burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(args.burners)]
     for b in burners:
@@ -599,6 +845,9 @@ def main(argv=None):
     print('%d jobs (%d two-rank, exit worker %s) in %.0f s, %.1f jobs/min: %s; load %s'
           % (s['jobs'], s['two_rank_jobs'], s['exit_worker_runs'], s['wall_seconds'],
              s['jobs_per_minute'] or 0, s['counts'], s['load_average_1min']))
+    if args.hvd_broadcast:
+        for family, counts in s['by_family'].items():
+            print('%s: %s' % (family, counts))
     print('outliers (a rank above 2x its family\'s median memory or time): %d'
           % len(s['outliers']))
     return 0 if s['counts']['ok'] == s['jobs'] and not s['outliers'] else 1
