@@ -6,11 +6,11 @@ import json
 import os
 import re
 
-import matplotlib.figure
 import pytest
 
 from mx_lbsgd_demo import plots
 from mx_lbsgd_demo.cli import main
+from test_train_overflow import _keep_figures
 
 pytestmark = pytest.mark.cli
 
@@ -53,17 +53,6 @@ def test_the_layout_names_every_cell_once():
             assert len(cells) == 2 * columns            # the grid is full
             assert len({where for _, _, where in layout}) == len(layout)
             assert len(layout) == 4 + noise + 2 * scaling
-
-
-def _keep_figures(monkeypatch):
-    figures = []
-    save = matplotlib.figure.Figure.savefig
-
-    def keep(fig, *args, **kwargs):
-        figures.append(fig)
-        return save(fig, *args, **kwargs)
-    monkeypatch.setattr(matplotlib.figure.Figure, 'savefig', keep)
-    return figures
 
 
 RUNS = [
