@@ -55,10 +55,10 @@ crash or hang whose output or stacks show ``EnqueueTensorBroadcast`` says so in 
 after it put a tensor on Horovod's queue (`WIDEN_GDB`): the defect's window, made wide
 enough that the collective finishes inside it, every time.
 
-    python benchmarks/soak_horovod.py --hvd-broadcast 300 --burners 2 --timeout 60 \
-        --python stock=/tmp/hvd-stock-venv/bin/python \
-        --python patched=/tmp/hvd-patched-venv/bin/python \
-        --json benchmarks/soak-horovod-broadcast.json --keep soak-broadcast-failures
+    python benchmarks/soak_horovod.py --hvd-broadcast 300 --burners 1 --parallel 3 \\
+        --timeout 120 --max-minutes 100 --python stock=/tmp/hvd-stock-venv/bin/python \\
+        --python patched=/tmp/hvd-patched-venv/bin/python \\
+        --json soak-horovod-broadcast.json --keep soak-broadcast-failures
 
 Every rank is watched while its job runs (psutil, every 0.2 s): its peak resident memory
 and its wall time go into the record, and a rank above 2x the median of its job family in

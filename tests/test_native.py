@@ -956,7 +956,6 @@ def _window_sequence(accs, grads_per_micro, factor, scratch):
     return stages
 
 
-@needs_native
 def _sgd_update_reads(value):
     """The float32 that sgd_update takes for rescale_grad=`value` (MXNet reads a float
     parameter with dmlc-core's own parser, not always as numpy's float32(value) rounds)."""
@@ -966,6 +965,7 @@ def _sgd_update_reads(value):
 
 
 # 1/49152 (a batch of 4096 in windows of 12): sgd_update reads it one ulp off float32's
+@needs_native
 @pytest.mark.parametrize('factor', [pytest.param(1.0, id='factor1'),
                                     pytest.param(0.37, id='factor0.37'),
                                     pytest.param(1 / 49152, id='factor1/49152')])
