@@ -3,13 +3,13 @@
 One rule, run in one of two places. In the optimizer (Module, a kvstore that updates,
 sparse gradients), where each parameter's micro-batch count k tells its position::
 
-    r = rescale_grad of this micro-batch;  u = 1 / loss scale
+    r = rescale_grad of this micro-batch times 1 / loss scale
     acc = r * g if k % B == 1 else acc + r * g          # nothing else happens
     if k % B == 0: acc = (acc + r * g) / (r * B)        # in the Trainer's arithmetic below
-                   the update runs on acc with rescale_grad r * u
+                   the update runs on acc with rescale_grad r
 
-(a call with row_sparse gradients sums all B micro-batches scaled by ``r * u`` and updates
-with rescale_grad 1 / B). The window's mean is the same bits as a Trainer's, so a Module
+(a call with row_sparse gradients sums all B micro-batches and updates with rescale_grad
+1 / B). The window's mean is the same bits as a Trainer's, so a Module
 and a gluon Trainer on one device update alike at every window length.
 
 At a gluon Trainer's reduction (`TrainerWindow`, driven by the Trainer binding), so that
@@ -56,13 +56,15 @@ class InOptimizerWindow:
         Returns None while the window is open, else the gradients to update with (the
         accumulators; a dense accumulator of a row_sparse gradient as row_sparse, so a lazy
         update touches the window's rows only) and their rescale_grad."""
+        # each micro-batch is summed with its own 1 / loss scale (a bare Updater's scaler
+        # may change it inside a window); without a loss scaler unscale is 1, and the sums
+        # are a Trainer's bit for bit
+        scale = rescale_grad * unscale
         if not any(k % size for k in positions) and not sparse:     # a dense window closes
-            _kernels.write_mean(grads=grads, accs=accs, rescale_grad=rescale_grad,
-                                mean_factor=1.0 / (rescale_grad * size), scratch=scratch,
+            _kernels.write_mean(grads=grads, accs=accs, rescale_grad=scale,
+                                mean_factor=1.0 / (scale * size), scratch=scratch,
                                 into_accs=True)
-            return list(accs), rescale_grad * unscale
-        # with row_sparse gradients every micro-batch is summed scaled to the update's units
-        scale = rescale_grad * unscale if sparse else rescale_grad
+            return list(accs), scale
         _add_all(accs, grads, positions, scale, sparse, scratch, size)
         if any(k % size for k in positions):
             if not all(k % size for k in positions):
