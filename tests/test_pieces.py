@@ -79,7 +79,7 @@ def test_window_in_the_optimizer_sums_then_releases(B):
         grads = [rng.uniform(-1, 1, a.shape) for a in accs]
         r = 0.5 + k
         out = window.add(accs=accs, grads=[mx.nd.array(g) for g in grads], positions=[k, k],
-                         rescale_grad=r, unscale=0.25, sparse=[], scratch={}, size=B)
+                         rescale_grad=r * 0.25, sparse=[], scratch={}, size=B)
         total = [t + r * g for t, g in zip(total, grads)]
         if k % B:
             assert out is None
@@ -99,8 +99,7 @@ def test_window_in_the_optimizer_refuses_mixed_positions():
     window = InOptimizerWindow()
     with pytest.raises(RuntimeError, match='different positions'):
         window.add(accs=[mx.nd.zeros((1,))] * 2, grads=[mx.nd.ones((1,))] * 2,
-                   positions=[1, 2], rescale_grad=1.0, unscale=1.0, sparse=[], scratch={},
-                   size=2)
+                   positions=[1, 2], rescale_grad=1.0, sparse=[], scratch={}, size=2)
 
 
 @pytest.mark.parametrize('B', [2, 3])

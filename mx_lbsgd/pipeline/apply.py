@@ -148,9 +148,8 @@ class StepApplier:
         if self.batch_scale > 1 and self._step_window is None:
             window = self._accumulator.add(accs=plan.accs, grads=grad,
                                            positions=self._in_window(positions),
-                                           rescale_grad=self.rescale_grad, unscale=unscale,
-                                           sparse=plan.sparse, scratch=self._scratch,
-                                           size=self.batch_scale)
+                                           rescale_grad=rescale_grad, sparse=plan.sparse,
+                                           scratch=self._scratch, size=self.batch_scale)
             if window is None:
                 return None
             grad, rescale_grad = window

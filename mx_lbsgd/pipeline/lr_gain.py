@@ -270,9 +270,9 @@ class LrGain:
         accumulated gradients when it `closes` a window of more than one (their mean per
         example: times 1 / batch_scale; with `window_unit` the window's mean in the units of
         a Trainer's reduced gradient, times `window_unit` / b). At S = 1, the difference
-        estimator. With a loss
-        scaler at S = 1 the gate's finite check calls this `early`, before its flag read,
-        which then brings the norms; the step's own call is then a no-op."""
+        estimator. With a loss scaler at S = 1 the gate's finite check calls this `early`,
+        before its flag read, which then brings the norms; the step's own call is then a
+        no-op."""
         if micro and not self._module_device.measures(micro[0].context, early):
             return          # another device's copy (the first step decides device by device)
         if self._module_early:      # taken early: the step's own call

@@ -48,24 +48,21 @@ class InOptimizerWindow:
     of the window under way: with ``batch_scale='auto'`` it changes at window boundaries)."""
 
     def add(self, *, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
-            positions: Sequence[int], rescale_grad: float, unscale: float,
-            sparse: Sequence[int], scratch: dict,
-            size: int) -> Optional[Tuple[List[nd.NDArray], float]]:
+            positions: Sequence[int], rescale_grad: float, sparse: Sequence[int],
+            scratch: dict, size: int) -> Optional[Tuple[List[nd.NDArray], float]]:
         """Add one micro-batch (per-parameter `positions`: 1-based counts) to `accs`.
 
         Returns None while the window is open, else the gradients to update with (the
         accumulators; a dense accumulator of a row_sparse gradient as row_sparse, so a lazy
-        update touches the window's rows only) and their rescale_grad."""
-        # each micro-batch is summed with its own 1 / loss scale (a bare Updater's scaler
-        # may change it inside a window); without a loss scaler unscale is 1, and the sums
-        # are a Trainer's bit for bit
-        scale = rescale_grad * unscale
+        update touches the window's rows only) and their rescale_grad. `rescale_grad` is
+        this micro-batch's, with its own 1 / loss scale (a bare Updater's scaler may change
+        it inside a window)."""
         if not any(k % size for k in positions) and not sparse:     # a dense window closes
-            _kernels.write_mean(grads=grads, accs=accs, rescale_grad=scale,
-                                mean_factor=1.0 / (scale * size), scratch=scratch,
+            _kernels.write_mean(grads=grads, accs=accs, rescale_grad=rescale_grad,
+                                mean_factor=1.0 / (rescale_grad * size), scratch=scratch,
                                 into_accs=True)
-            return list(accs), scale
-        _add_all(accs, grads, positions, scale, sparse, scratch, size)
+            return list(accs), rescale_grad
+        _add_all(accs, grads, positions, rescale_grad, sparse, scratch, size)
         if any(k % size for k in positions):
             if not all(k % size for k in positions):
                 raise RuntimeError('parameters of one call are at different positions of the '
