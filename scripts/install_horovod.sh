@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Build horovod 0.28.1 with MXNet and gloo (CPU, no MPI) into the Python environment of
-# $PYTHON (default: python3), from its source with scripts/horovod-0.28.1-enqueue-name.patch
-# applied. The patch fixes a use-after-free in Horovod's MXNet broadcast and alltoall:
-# EnqueueTensorBroadcast and EnqueueTensorAlltoall (horovod/common/operations.cc) log the
-# collective's name after putting it on Horovod's queue, by when MXNet may have deleted
-# the engine operation that owns the name (a segfault, a huge copy or a hang at exit; see
-# the patch's header and docs/distributed/horovod-exit.md). The patched build's version
-# is 0.28.1+enqueuename.sha<first 10 hex digits of the patch file's sha256>.
+# $PYTHON (default: python3), from its source with the two patches below applied, in order:
+# - scripts/horovod-0.28.1-enqueue-name.patch fixes a use-after-free in Horovod's MXNet
+#   broadcast and alltoall: EnqueueTensorBroadcast and EnqueueTensorAlltoall
+#   (horovod/common/operations.cc) log the collective's name after putting it on Horovod's
+#   queue, by when MXNet may have deleted the engine operation that owns the name (a
+#   segfault, a huge copy or a hang at exit);
+# - scripts/horovod-0.28.1-lost-peer-exit.patch ends the process (status 1, saying why)
+#   when Horovod's background loop fails, e.g. a peer is lost, instead of failing the
+#   queued collectives into MXNet's engine from Horovod's thread (MXNet 1.9.1 records such
+#   failures without a lock: a heap corruption on the survivors).
+# See the patches' headers and docs/distributed/horovod-exit.md. The patched build's
+# version is 0.28.1+mxlbsgd.sha<first 10 hex digits of the sha256 of the two patch files,
+# concatenated in that order>.
 #
 #   PYTHON=.venv/bin/python bash scripts/install_horovod.sh
 #   HOROVOD_STOCK=1 PYTHON=... bash scripts/install_horovod.sh   # as released, unpatched
@@ -14,13 +20,14 @@
 #
 # Installs mxnet 1.9.1 and Horovod's build and run dependencies first. The first build
 # takes about 5 minutes on 2 cores; the wheel is then kept in $HOROVOD_BUILD_CACHE
-# (default ~/.cache/mx_lbsgd/horovod), per patch (its sha256), Python tag and mxnet
+# (default ~/.cache/mx_lbsgd/horovod), per patch set (its sha256), Python tag and mxnet
 # version, with the sdist, and a rerun installs it again in seconds.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${PYTHON:-python3}"
 version=0.28.1
-patch_file="$here/horovod-$version-enqueue-name.patch"
+patch_files=("$here/horovod-$version-enqueue-name.patch"
+             "$here/horovod-$version-lost-peer-exit.patch")
 cache="${HOROVOD_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mx_lbsgd/horovod}"
 stock="${HOROVOD_STOCK:-0}"
 source_only=""
@@ -32,12 +39,13 @@ elif [ $# -gt 0 ]; then
 fi
 sdist="$cache/sdist/horovod-$version.tar.gz"
 patch_sha="$("$py" -c 'import hashlib, sys
-print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest()[:10])' "$patch_file")"
+print(hashlib.sha256(b"".join(open(p, "rb").read() for p in sys.argv[1:])).hexdigest()[:10])' \
+    "${patch_files[@]}")"
 if [ "$stock" = 1 ]; then
     local_version="" label="stock: unpatched"
 else
-    local_version="enqueuename.sha$patch_sha"
-    label="patched: broadcast/alltoall name use-after-free"
+    local_version="mxlbsgd.sha$patch_sha"
+    label="patched: broadcast/alltoall name use-after-free, exit on a lost peer"
 fi
 
 fetch_sdist() {          # pip downloads the sdist once; later runs use the cached copy
@@ -50,11 +58,13 @@ fetch_sdist() {          # pip downloads the sdist once; later runs use the cach
     rm -rf "$tmp"
 }
 
-unpack() {               # unpack the sdist into $1/horovod-$version and patch it
+unpack() {               # unpack the sdist into $1/horovod-$version and apply the patches
     tar -xzf "$sdist" -C "$1"
     [ "$stock" = 1 ] && return
     # Applies a unified diff whose hunks must match exactly where they say (no fuzz, no
     # offset beyond the lines earlier hunks added): the patch is for this sdist only.
+    local patch_file
+    for patch_file in "${patch_files[@]}"; do
     "$py" - "$patch_file" "$1/horovod-$version" <<'PY'
 import os, re, sys
 patch, root = sys.argv[1:]
@@ -85,8 +95,9 @@ while i < len(lines):
         shift += len(new) - len(old)
     with open(path, 'w', encoding='utf-8', errors='surrogateescape', newline='') as f:
         f.write('\n'.join(text))
-    print('patched %s' % os.path.relpath(path, root))
+    print('patched %s (%s)' % (os.path.relpath(path, root), os.path.basename(patch)))
 PY
+    done
 }
 
 if [ -n "$source_only" ]; then

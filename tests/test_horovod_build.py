@@ -1,11 +1,15 @@
-"""The Horovod that scripts/install_horovod.sh builds carries
-scripts/horovod-0.28.1-enqueue-name.patch: EnqueueTensorBroadcast and EnqueueTensorAlltoall
-no longer read their `name` argument after the tensor is on Horovod's queue (Horovod
-0.28.1's use-after-free under MXNet, docs/distributed/horovod-exit.md).
+"""The Horovod that scripts/install_horovod.sh builds carries two patches
+(docs/distributed/horovod-exit.md):
+- scripts/horovod-0.28.1-enqueue-name.patch: EnqueueTensorBroadcast and
+  EnqueueTensorAlltoall no longer read their `name` argument after the tensor is on
+  Horovod's queue (Horovod 0.28.1's use-after-free under MXNet);
+- scripts/horovod-0.28.1-lost-peer-exit.patch: when the background loop fails (a peer
+  lost), the process ends with status 1 instead of failing the queued collectives into
+  MXNet's engine, whose exception list has no lock.
 
 The source checks unpack the sdist that the script keeps in its cache (they skip, saying
 so, where the script has not run); the installed build is told by its version, which the
-script sets to 0.28.1+enqueuename.sha<the patch file's sha256, 10 digits>.
+script sets to 0.28.1+mxlbsgd.sha<sha256 of the two patch files concatenated, 10 digits>.
 """
 import difflib
 import hashlib
@@ -21,7 +25,8 @@ pytestmark = pytest.mark.unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'install_horovod.sh')
-PATCH = os.path.join(ROOT, 'scripts', 'horovod-0.28.1-enqueue-name.patch')
+PATCHES = [os.path.join(ROOT, 'scripts', 'horovod-0.28.1-%s.patch' % name)
+           for name in ('enqueue-name', 'lost-peer-exit')]
 CACHE = os.environ.get('HOROVOD_BUILD_CACHE') or os.path.join(
     os.environ.get('XDG_CACHE_HOME') or os.path.expanduser(os.path.join('~', '.cache')),
     'mx_lbsgd', 'horovod')
@@ -29,9 +34,15 @@ SDIST = os.path.join(CACHE, 'sdist', 'horovod-0.28.1.tar.gz')
 FIXED = ('EnqueueTensorBroadcast', 'EnqueueTensorAlltoall')
 
 
+LOOP_FAILED = 'Horovod background loop uncaught exception'
+
+
 def patched_version():
-    with open(PATCH, 'rb') as f:
-        return '0.28.1+enqueuename.sha' + hashlib.sha256(f.read()).hexdigest()[:10]
+    digest = hashlib.sha256()
+    for path in PATCHES:
+        with open(path, 'rb') as f:
+            digest.update(f.read())
+    return '0.28.1+mxlbsgd.sha' + digest.hexdigest()[:10]
 
 
 def function_span(source, function):
@@ -39,6 +50,15 @@ def function_span(source, function):
     lines = source.split('\n')
     first = next(i for i, line in enumerate(lines) if line.startswith('Status %s(' % function))
     last = next(i for i in range(first, len(lines)) if lines[i] == '}')
+    return first, last
+
+
+def loop_failure_span(source):
+    """(first, last) line index of the catch block after BackgroundThreadLoop's loop."""
+    lines = source.split('\n')
+    logged = next(i for i, line in enumerate(lines) if LOOP_FAILED in line)
+    first = max(i for i in range(logged) if lines[i].strip().startswith('} catch ('))
+    last = next(i for i in range(logged, len(lines)) if lines[i] == '  }')
     return first, last
 
 
@@ -77,11 +97,28 @@ def test_the_patch_copies_the_name_before_enqueuing(sources, function):
     assert name_read_after_enqueue(sources['patched'], function) == []
 
 
-def test_the_patch_changes_nothing_else(sources):
-    """Every line the patch adds or removes lies in one of the two functions."""
+def test_the_loop_failure_ends_the_process(sources):
+    """Released, the catch block after a failed background loop only logs, and the
+    shutdown that follows fails every queued collective into MXNet; patched, the block
+    ends the process (std::_Exit(1)) after saying why."""
+    blocks = {}
+    for build in ('stock', 'patched'):
+        first, last = loop_failure_span(sources[build])
+        blocks[build] = [line.strip() for line in sources[build].split('\n')[first:last + 1]]
+    assert not [line for line in blocks['stock'] if '_Exit' in line]
+    assert blocks['patched'][-2:] == ['std::_Exit(1);', '}'], blocks['patched']
+    assert any('ending this process with status 1' in line for line in blocks['patched'])
+
+
+def test_the_patches_change_nothing_else(sources):
+    """Every line the patches add or remove lies in one of the two functions, in the catch
+    block of the failed loop, or is the include of <cstdlib> (for std::_Exit)."""
+    patched = sources['patched'].split('\n')
     spans = [function_span(sources['patched'], f) for f in FIXED]
-    diff = difflib.unified_diff(sources['stock'].split('\n'),
-                                sources['patched'].split('\n'), lineterm='', n=0)
+    spans.append(loop_failure_span(sources['patched']))
+    spans += [(i, i) for i, line in enumerate(patched) if line == '#include <cstdlib>']
+    assert len(spans) == len(FIXED) + 2
+    diff = difflib.unified_diff(sources['stock'].split('\n'), patched, lineterm='', n=0)
     added = []
     for line in diff:
         hunk = re.match(r'@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@', line)
@@ -90,13 +127,14 @@ def test_the_patch_changes_nothing_else(sources):
             added += list(range(start - 1, start - 1 + max(count, 1)))
     assert added
     outside = [i + 1 for i in added if not any(a <= i <= b for a, b in spans)]
-    assert not outside, 'patched lines outside %s: %s' % (FIXED, outside)
+    assert not outside, 'patched lines outside %s, the loop\'s catch block and the ' \
+        'include: %s' % (FIXED, outside)
 
 
 @pytest.mark.horovod
 def test_the_installed_horovod_is_the_patched_build():
     """The Horovod in this environment is the one scripts/install_horovod.sh builds with
-    the patch in the repository (not Horovod as released: HOROVOD_STOCK=1, or pip)."""
+    the patches in the repository (not Horovod as released: HOROVOD_STOCK=1, or pip)."""
     try:
         version = importlib.metadata.version('horovod')
     except importlib.metadata.PackageNotFoundError:
@@ -105,4 +143,5 @@ def test_the_installed_horovod_is_the_patched_build():
     assert version == patched_version(), (
         'horovod %s is installed; scripts/install_horovod.sh builds %s, with %s '
         '(rerun it with PYTHON=%s)' % (version, patched_version(),
-                                       os.path.relpath(PATCH, ROOT), sys.executable))
+                                       ' and '.join(os.path.relpath(p, ROOT) for p in PATCHES),
+                                       sys.executable))
