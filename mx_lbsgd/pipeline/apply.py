@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, cast
 import mxnet as mx
 
 from .. import _compat
-from . import progress as _progress
+from . import lr_gain as _lr_gain_mod
 from .plan import Plan, run_plan
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ class StepApplier:
     def _in_window(self, positions: List[int]) -> List[int]:
         """The accumulator's positions (1 .. window length) of micro-batch counts: with
         ``batch_scale='auto'`` counted from the window length's first window."""
-        chosen = _progress.windows(self._lr_gain)
+        chosen = _lr_gain_mod.windows(self._lr_gain)
         if chosen is None:
             return positions
         return _per_position(positions, lambda k: chosen.position(k) or self.batch_scale)

@@ -47,17 +47,12 @@ How it differs from the others:
 from __future__ import annotations
 
 import math
-import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from mxnet import nd
 
 from .. import _kernels
 from ..families.base import GradNorm
-
-if TYPE_CHECKING:
-    from .lr_gain import LrGain
-    from .progress import SkipLedger
 
 #: added to the norm before dividing (torch's clip_grad_norm_ uses the same)
 CLIP_EPS = 1e-6
@@ -151,58 +146,3 @@ def norm_of(groups: Sequence[Tuple[Sequence[nd.NDArray], float]]) -> nd.NDArray:
 def coefficient(max_norm: float, norm: float, eps: float = CLIP_EPS) -> float:
     """min(1, max_norm / (norm + eps)) for a norm read back to the host."""
     return min(1.0, max_norm / (norm + eps))
-
-
-class ClipViews:
-    """Mixed into `PipelineOptimizer`: what clipping reports, and the host-side guard of
-    MXNet's operators. ``_clip``, ``_last_norms``, ``_ledger`` and ``_name`` are the
-    shell's."""
-
-    _clip: Optional[GlobalNormClip]
-    _last_norms: Optional[StepNorms]
-    _ledger: SkipLedger
-    _lr_gain: Optional[LrGain]
-    _name: Callable[[Any], Optional[str]]
-
-    def _last(self) -> Optional[GradNorm]:
-        return None if not self._last_norms else next(iter(self._last_norms.values()))
-
-    @property
-    def last_grad_norm(self) -> Optional[nd.NDArray]:
-        """The global L2 norm of the gradient the last update applied, before clipping.
-
-        A (1,) float32 NDArray on the first device (reading its value waits for the step;
-        keeping it does not). None without ``max_grad_norm`` or before the first update.
-        NaN or inf when that step's gradients were not finite (the update was skipped)."""
-        last = self._last()
-        return None if last is None else last.norm()
-
-    @property
-    def last_clip_coefficient(self) -> Optional[nd.NDArray]:
-        """``min(1, max_grad_norm / (last_grad_norm + 1e-6))``, the factor the last
-        update's gradient was multiplied by (1: clipping was not active; NaN: the norm was
-        not finite and the update skipped), a (1,) float32 NDArray; None as
-        `last_grad_norm`."""
-        last = self._last()
-        return None if last is None else last.coefficient()
-
-    def _clip_safe(self, plans: Sequence[Any], grads: List[nd.NDArray],
-                   norms: StepNorms, index: Sequence[Any]) -> bool:
-        """Without a loss scaler: whether the step may run. The compiled kernels skip a
-        non-finite norm on the device (no host read); MXNet's operators cannot, so for
-        them the norm is read once and a non-finite step is skipped, with a warning that
-        names the first non-finite gradient."""
-        # an lr_scaling='adascale' step has read its reduced gradient's norm already
-        known = None if self._lr_gain is None else self._lr_gain.known_finite()
-        if all(p.skips_on_device for p in plans) or known or \
-                (known is None and GlobalNormClip.all_finite(norms)):
-            return True
-        first = next((i for i, g in zip(index, grads)
-                      if not _kernels.finite_flag([g], None).asscalar()), None)
-        warnings.warn('%s: the gradient norm is not finite (first non-finite gradient: %r); '
-                      'the update was skipped, weights and states untouched. Use a '
-                      'loss_scaler to back off and count such steps'
-                      % (type(self).__name__, self._name(first) if first is not None
-                         else None), RuntimeWarning)
-        self._ledger.last_step_skipped = True
-        return False

@@ -453,3 +453,8 @@ def module_check(gain: Optional[LrGain], opt: Any, grads: Sequence[mx.nd.NDArray
     if opt.batch_scale == 1:
         first = [g for g in grads if g.context == grads[0].context]
         gain.module_step(opt, first, factor, closes=True, window=None, early=True)
+
+
+def windows(gain: Optional[LrGain]) -> Optional[BatchChoiceState]:
+    """The window lengths taken so far (``batch_scale='auto'``), else None."""
+    return None if gain is None or gain.chooser is None else gain.chooser.state

@@ -53,15 +53,16 @@ from ..loss_scaling.scaler import DynamicLossScaler
 from . import binding as _binding, clip as _clip_piece, progress as _progress, state as _state
 from . import batch_choice as _choice, lr_gain as _lr_gain
 from .apply import Call, StepApplier
-from .clip import ClipViews, GlobalNormClip, StepNorms
+from .clip import GlobalNormClip, StepNorms
 from .plan import Plan, PlanCache
 from .protocol import StepProtocol
 from .trust_ratio import TrustRatio
+from .views import ClipViews, ProgressViews
 from .warmup import Warmup
 from .window import InOptimizerWindow
 
 
-class PipelineOptimizer(StepApplier, overflow.OverflowViews, _progress.ProgressViews,
+class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
                         ClipViews, StepProtocol, mx.optimizer.Optimizer):
     """Base of mx_lbsgd's optimizers; see the module docstring. Subclasses set
     ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`.
