@@ -556,7 +556,7 @@ def reduced_gradient_mean_factor(trainer: mx.gluon.Trainer) -> float:
     return 1.0
 
 
-# -- added for trust ratios on kvstore servers (pipeline.binding.refuse_server_updates) ------
+# -- added for trust ratios on kvstore servers (pipeline.servers.refuse_server_updates) ------
 
 def module_trained_parameter_sizes() -> dict[str, int]:
     """Inside ``Module.init_optimizer``: {name: number of elements} of the Module's

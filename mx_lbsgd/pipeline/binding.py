@@ -26,18 +26,16 @@ window. A Trainer is bound at its first step (or by `bind`), once.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 import mxnet as mx
 
 from .. import _compat, _kernels
-from .trust_ratio import refuse_split_ratios
+from .servers import refuse_sparse_gradients_on_servers
 from .window import TrainerWindow
 
 if TYPE_CHECKING:
-    from ..loss_scaling.hook import LossScaling
-    from .shell import PipelineOptimizer
+    from .optimizer_view import StepOptimizer
 
 _BINDINGS: weakref.WeakKeyDictionary[mx.gluon.Trainer, TrainerBinding] = \
     weakref.WeakKeyDictionary()
@@ -59,8 +57,9 @@ def bound(trainer: mx.gluon.Trainer) -> Optional[TrainerBinding]:
     return _BINDINGS.get(trainer)
 
 
-def loss_scaling_of(trainer: mx.gluon.Trainer) -> Optional[LossScaling]:
-    """The `LossScaling` hook attached to `trainer` last (alive), or None."""
+def loss_scaling_of(trainer: mx.gluon.Trainer) -> Optional[Any]:
+    """The `LossScaling` hook attached to `trainer` last (alive), or None (typed Any: the
+    hook's module imports this one)."""
     binding = _BINDINGS.get(trainer)
     ref = None if binding is None else binding.loss_scaling
     return None if ref is None else ref()
@@ -83,7 +82,7 @@ class TrainerBinding:
         self.observers: List[Any] = []
         # weakref to the LossScaling hook over this Trainer (its scaler goes into
         # mx_lbsgd.checkpoint files), or None
-        self.loss_scaling: Optional[weakref.ref[LossScaling]] = None
+        self.loss_scaling: Optional[weakref.ref[Any]] = None
         # a dist kvstore's first reduction waits for the initial weights' pull
         self._weights_pulled = False
         if hasattr(trainer.optimizer, 'begin_step'):
@@ -95,7 +94,7 @@ class TrainerBinding:
         gradients, and no hook that reduces every micro-batch)."""
         return self.window_at_reduction and not self._sparse
 
-    def _optimizer(self) -> Optional[PipelineOptimizer]:
+    def _optimizer(self) -> Optional[StepOptimizer]:
         # (the Trainer is alive: this runs inside its step)
         opt = self._trainer().optimizer  # type: ignore[union-attr]
         return opt if hasattr(opt, 'begin_step') else None
@@ -137,7 +136,7 @@ class TrainerBinding:
         return self._reduced(original, trainer, opt, True) if self._closes else None
 
     def _reduced(self, original: Callable[[], Any], trainer: mx.gluon.Trainer,
-                 opt: PipelineOptimizer, closes_window: bool) -> Any:
+                 opt: StepOptimizer, closes_window: bool) -> Any:
         result = original()
         for observer in self.observers:
             observer.after_reduction(trainer, opt, closes_window)
@@ -162,7 +161,7 @@ class TrainerBinding:
         self._closes = None
         return original(*args, **kwargs)
 
-    def _buffers(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer
+    def _buffers(self, trainer: mx.gluon.Trainer, opt: StepOptimizer
                  ) -> Tuple[List[mx.nd.NDArray], List[Optional[mx.nd.NDArray]]]:
         """The fresh gradients and their accumulators (created in the Updater's states when
         the Updater has not created them yet), device by device."""
@@ -221,39 +220,3 @@ def _refuse_dist_sparse_gradients(trainer: mx.gluon.Trainer) -> None:
     if kind and kind.startswith('dist'):
         refuse_sparse_gradients_on_servers(_compat.dense_weights_with_sparse_gradients(trainer),
                                            kind, type(trainer.optimizer).__name__)
-
-
-def refuse_server_updates(opt: PipelineOptimizer) -> None:
-    """Everything refused when `opt` is about to be sent to the servers of a dist kvstore
-    (``kv.set_optimizer`` pickles it with protocol 0, on the worker, in Python: an
-    exception raised here reaches the script that created the Trainer or called
-    ``Module.init_optimizer``/``fit``, before any weight is pushed or updated).
-
-    - loss scaling and clipping (`PipelineOptimizer.refuse_updates_on_kvstore`);
-    - row_sparse gradients of dense weights (Module; Gluon's are refused at binding);
-    - a per-tensor trust ratio of a tensor the kvstore splits across several servers
-      (`trust_ratio.refuse_split_ratios`): the sizes come from the Trainer's
-      ``param_dict`` (Gluon) or from the Module being initialized; parameters without a
-      gradient (``grad_req='null'``, Module's fixed parameters) are never updated."""
-    opt.refuse_updates_on_kvstore()
-    kind, names = _compat.module_sparse_gradients_on_dist_kvstore()
-    refuse_sparse_gradients_on_servers(names, kind, type(opt).__name__)
-    sizes = ({p.name: int(np.prod(p.shape)) for p in opt.param_dict.values()
-              if p.grad_req != 'null'} if opt.param_dict
-             else _compat.module_trained_parameter_sizes())
-    refuse_split_ratios(type(opt).__name__, sizes, opt.trust_ratio_applies)
-
-
-def refuse_sparse_gradients_on_servers(names: Sequence[str], kind: Optional[str],
-                                       owner: str) -> None:
-    """Dense weights with row_sparse gradients on a dist kvstore: MXNet 1.9.1 pushes the
-    sparse gradients into keys initialized dense, and the server aborts ("copying size
-    mismatch"; with mx.optimizer.SGD too). Refuse before anything is sent (Gluon: here;
-    Module: when its optimizer is pickled for the servers)."""
-    if names:
-        raise ValueError(
-            '%s: parameter(s) %s have dense weights and row_sparse gradients '
-            "(Embedding(sparse_grad=True)), which MXNet 1.9.1's %r kvstore cannot reduce (its "
-            'server aborts, with mx.optimizer.SGD too). Use gluon.contrib.nn.SparseEmbedding '
-            "(row_sparse weights, updated on the servers), sparse_grad=False, or a 'local' or "
-            "'device' kvstore" % (owner, ', '.join(map(repr, names)), kind))

@@ -47,7 +47,7 @@ from .clip import GlobalNormClip, StepNorms
 from .lr_scaling import RULES, LrScaling, LrScalingState
 
 if TYPE_CHECKING:
-    from .shell import PipelineOptimizer
+    from .optimizer_view import GainView
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ class LrGain:
         """Whether the updates' gradient norms are taken."""
         return self.piece.measures or self.chooser is not None
 
-    def window_begins(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer) -> None:
+    def window_begins(self, trainer: mx.gluon.Trainer, opt: GainView) -> None:
         """A micro-batch begins, before anything reads the window: at a window boundary the
         chosen length takes effect (``opt.batch_scale``). 'auto' is refused here, before
         anything changes, where the window cannot be at the Trainer's reduction."""
@@ -126,7 +126,7 @@ class LrGain:
                 'dense gradients')
         self.take_window(opt)
 
-    def micro_batch(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
+    def micro_batch(self, trainer: mx.gluon.Trainer, opt: GainView,
                     window_at_trainer: bool) -> None:
         if not self.measures:
             return
@@ -167,7 +167,7 @@ class LrGain:
         if self._probe is None or self._probe.devices != devices:
             self._probe = _probe.NormProbe(devices, small_every=1, difference=True)
 
-    def reduced(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
+    def reduced(self, trainer: mx.gluon.Trainer, opt: GainView,
                 closes_window: bool) -> None:
         if self._probe is None:
             return
@@ -175,7 +175,7 @@ class LrGain:
         self._observation = self._probe.after_reduction(trainer, opt, closes_window,
                                                         across_workers=True, extra=extra)
 
-    def begin(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
+    def begin(self, trainer: mx.gluon.Trainer, opt: GainView,
               closes_window: Optional[bool]) -> None:
         """A Trainer step begins; `closes_window` as `begin_step`'s (False: a micro-batch
         that only accumulates)."""
@@ -253,13 +253,13 @@ class LrGain:
             self._read_at(update)
 
     # -- Module and bare Updaters: no Trainer says where an update begins -----------------
-    def take_window(self, opt: PipelineOptimizer) -> None:
+    def take_window(self, opt: GainView) -> None:
         """At a window boundary ('auto'): the chosen length takes effect."""
         if self.chooser is not None and self.chooser.state.pending is not None:
             # (only then: counting the micro-batches is a pass over the parameters)
             opt.batch_scale = self.chooser.window_begins(_progress.micro_batches(opt))
 
-    def module_step(self, opt: PipelineOptimizer, micro: Sequence[mx.nd.NDArray],
+    def module_step(self, opt: GainView, micro: Sequence[mx.nd.NDArray],
                     factor: float, closes: bool,
                     window: Optional[Sequence[mx.nd.NDArray]], early: bool = False,
                     window_unit: Optional[float] = None) -> None:
@@ -288,7 +288,7 @@ class LrGain:
                                    length=opt.batch_scale, timed=self._timed)
             self._timed = 0
 
-    def _module_observation(self, opt: PipelineOptimizer, micro: Sequence[mx.nd.NDArray],
+    def _module_observation(self, opt: GainView, micro: Sequence[mx.nd.NDArray],
                             factor: float, closes: bool,
                             window: Optional[Sequence[mx.nd.NDArray]],
                             window_unit: Optional[float] = None

@@ -29,7 +29,7 @@ from .. import _compat, _kernels, _native
 from . import binding as _binding
 
 if TYPE_CHECKING:
-    from .shell import PipelineOptimizer
+    from .optimizer_view import GainView
 
 #: A squared norm on the device ((1,) array) and the factor that turns it into units of the
 #: mean per-example gradient.
@@ -207,7 +207,7 @@ class NormProbe:
         self.previous = PreviousGradient() if difference else None
         self._dense: Optional[bool] = None
 
-    def before_reduction(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
+    def before_reduction(self, trainer: mx.gluon.Trainer, opt: GainView,
                          window_at_trainer: bool) -> None:
         """One micro-batch's local gradients, device by device."""
         every = self.small_every or (opt.batch_scale if window_at_trainer else 1)
@@ -218,7 +218,7 @@ class NormProbe:
         for grads in gradients_by_device(trainer):
             self.small.append((sum_squares(grads), factor ** 2))
 
-    def after_reduction(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer,
+    def after_reduction(self, trainer: mx.gluon.Trainer, opt: GainView,
                         closes_window: bool, across_workers: bool = False,
                         extra: Sequence[float] = ()) -> Observation:
         """The reduced gradient that the update applies; returns the update's norms. With
@@ -252,7 +252,7 @@ class NormProbe:
             _compat.sum_over_workers(trainer, seen.job)
         return seen
 
-    def _single(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer) -> bool:
+    def _single(self, trainer: mx.gluon.Trainer, opt: GainView) -> bool:
         """Whether the difference estimator takes this update: one gradient per update
         (one worker, one device, windows of 1, dense)."""
         if self.previous is None or self.devices != 1 or opt.batch_scale != 1 \
@@ -262,7 +262,7 @@ class NormProbe:
             self._dense = not _compat.has_sparse_gradients(trainer)
         return self._dense
 
-    def _difference(self, trainer: mx.gluon.Trainer, opt: PipelineOptimizer, batch: float,
+    def _difference(self, trainer: mx.gluon.Trainer, opt: GainView, batch: float,
                     mean: float, extra: Sequence[float]) -> Observation:
         """One worker, one device, a window of 1: the difference estimator's norms (an
         observation without small norms, which gives no estimate, on the first update)."""
@@ -278,7 +278,7 @@ class NormProbe:
         return Observation(small=small, big=big, batch=batch, devices=1, workers=1, window=1,
                            extra=tuple(extra), difference=True)
 
-def worker_batch(trainer: mx.gluon.Trainer, opt: PipelineOptimizer) -> float:
+def worker_batch(trainer: mx.gluon.Trainer, opt: GainView) -> float:
     """Examples per step on this worker (over its devices), from the step's batch
     argument read the way the docs' recipe for each engine passes it:
 

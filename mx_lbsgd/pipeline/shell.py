@@ -27,7 +27,7 @@ micro-batch and on which rank; ``overflow_history`` keeps the last
 a Trainer (batch_scale > 1), one device-side finite flag per micro-batch.
 
 Sent to the servers of a dist kvstore (``update_on_kvstore=True``: pickled with protocol
-0), the optimizer first refuses what the servers cannot do (`binding.refuse_server_updates`):
+0), the optimizer first refuses what the servers cannot do (`servers.refuse_server_updates`):
 loss scaling, clipping, sparse gradients of dense weights, and a trust ratio of a tensor
 that the kvstore splits across several servers.
 
@@ -50,7 +50,7 @@ from .._checks import check_choice, check_int, check_real
 from ..families.base import KernelFamily
 from ..loss_scaling import gate as _scaling, graph as _graph_scale, overflow
 from ..loss_scaling.scaler import DynamicLossScaler
-from . import binding as _binding, clip as _clip_piece, progress as _progress, state as _state
+from . import clip as _clip_piece, progress as _progress, servers as _servers, state as _state
 from . import batch_choice as _choice, lr_gain as _lr_gain
 from .apply import Call, StepApplier
 from .clip import GlobalNormClip, StepNorms
@@ -408,7 +408,7 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
         # kvstore.set_optimizer pickles with protocol 0 to send the optimizer to the
         # servers of a dist kvstore, which then update key by key.
         if protocol == 0:
-            _binding.refuse_server_updates(self)
+            _servers.refuse_server_updates(self)
         return super().__reduce_ex__(protocol)
 
     def trust_ratio_applies(self, name: str) -> bool:
