@@ -13,11 +13,11 @@ from . import checkpoint, counting, loss_scale, overflow  # noqa: F401  (old mod
 from ._native import native_library
 from .amp_support import Bfloat16Support, amp_bfloat16_support, amp_bfloat16_trains
 from .distributed.sharded import ShardedTrainer
-from .gluon import bind, init_kvstore
+from .gluon import LossScaling, bind, init_kvstore
 from .lamb import LAMB
 from .lbsgd import LBSGD
 from .loss_scaling import (DynamicLossScaler, LossScaleFallingWarning, LossScaleStuckError,
-                           LossScaling, OverflowReport, scale_gradient)
+                           OverflowReport, scale_gradient)
 from .lssgd import LossScaledSGD
 from .noise_scale import GradientNoiseScale
 from .lr_scheduler import WarmupScheduler

@@ -19,9 +19,23 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 import mxnet as mx
 
 from . import _identity
-from .distributed import horovod_exit as _horovod_exit
 
 _T = TypeVar('_T')
+
+#: the installer of Horovod's exit drain (`mx_lbsgd.distributed.horovod_exit.install`,
+#: which registers itself here when it is imported: the package's __init__ imports it)
+_exit_drain: list[Callable[[bool], None]] = []
+
+
+def register_exit_drain(install: Callable[[bool], None]) -> None:
+    """Called once by `mx_lbsgd.distributed.horovod_exit` with its ``install``; every
+    Horovod detection below calls it (``install(refresh)``)."""
+    _exit_drain[:] = [install]
+
+
+def _install_exit_drain(refresh: bool = False) -> None:
+    for install in _exit_drain:
+        install(refresh)
 
 
 def trainer_assigning_rescale_grad(optimizer: mx.optimizer.Optimizer
@@ -282,7 +296,7 @@ def trainer_worker_count(trainer: mx.gluon.Trainer, default: _T) -> int | _T:
     ``_allreduce_grads``), and a Trainer creates its kvstore lazily into ``_kvstore``."""
     if _is_horovod_trainer(trainer):
         import horovod.mxnet as hvd
-        _horovod_exit.install()
+        _install_exit_drain()
         return hvd.size()
     if trainer._kv_initialized and trainer._kvstore is not None:
         return trainer._kvstore.num_workers
@@ -362,7 +376,7 @@ def wrap_trainer_step(trainer: mx.gluon.Trainer, reduce: Callable[[Callable[[], 
     Every Trainer the package drives is bound here once: a Horovod DistributedTrainer also
     gets the exit drain (`horovod_worker`)."""
     if _is_horovod_trainer(trainer):
-        _horovod_exit.install(refresh=True)
+        _install_exit_drain(refresh=True)
     original_reduce = _weak_method(trainer, '_allreduce_grads')
     original_update = _weak_method(trainer, '_update')
     trainer._allreduce_grads = lambda: reduce(original_reduce)
@@ -389,7 +403,7 @@ def trainer_rank(trainer: mx.gluon.Trainer) -> int | None:
     DistributedTrainer has none and reduces through horovod, whose rank is ``hvd.rank()``."""
     if _is_horovod_trainer(trainer):
         import horovod.mxnet as hvd
-        _horovod_exit.install()
+        _install_exit_drain()
         return hvd.rank()
     kv = trainer._kvstore if trainer._kv_initialized else None
     return kv.rank if kv is not None and 'dist' in kv.type else None
@@ -477,7 +491,7 @@ def horovod_worker() -> tuple[int, int] | None:
     hvd = sys.modules.get('horovod.mxnet')
     if hvd is None or not hvd.is_initialized():
         return None
-    _horovod_exit.install()
+    _install_exit_drain()
     return hvd.rank(), hvd.size()
 
 
@@ -492,7 +506,7 @@ def creating_module_worker() -> tuple[int, int] | None:
     Horovod (``hvd.DistributedOptimizer`` wraps it for Module) that registers the exit drain
     (`horovod_worker`)."""
     if horovod_worker() is not None:
-        _horovod_exit.install(refresh=True)
+        _install_exit_drain(refresh=True)
     local = _init_optimizer_locals()
     kv = local.get('kvstore') if local is not None else None
     if not isinstance(kv, mx.kvstore.KVStore) or 'dist' not in kv.type:

@@ -57,7 +57,7 @@ from .pipeline.batch_choice import BatchChoiceState
 from .pipeline.lr_scaling import LrScalingState
 
 if TYPE_CHECKING:
-    from .loss_scaling import LossScaling
+    from .gluon import LossScaling
 
 #: What the functions here save and load: a gluon.Trainer or a (bound) Module.
 _Target = Union['mx.gluon.Trainer', 'mx.module.BaseModule']

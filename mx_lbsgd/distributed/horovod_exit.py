@@ -26,6 +26,8 @@ from typing import Any
 
 import mxnet as mx
 
+from .. import _compat
+
 __all__ = ['install', 'drain_at_exit']
 
 #: Seconds the exit hook waits for MXNet's engine (environment variable, float).
@@ -144,3 +146,6 @@ def drain_at_exit() -> None:
         sys.stderr.write('mx_lbsgd: an operation still queued at exit failed: %s\n'
                          % (first[0] if first else type(outcome['error']).__name__))
         _flush()
+
+
+_compat.register_exit_drain(install)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import mxnet as mx
 
-from . import _compat
-from .loss_scaling import LossScaling
-from .pipeline import binding as _binding
+from .. import _compat
+from ..pipeline import binding as _binding
+from .hook import LossScaling
 
 __all__ = ['LossScaling', 'bind', 'init_kvstore']
 

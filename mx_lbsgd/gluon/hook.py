@@ -10,9 +10,9 @@ import mxnet as mx
 
 from .. import _compat, _kernels
 from .._checks import check_choice, check_int, check_real
+from ..loss_scaling import gate as _scaling, overflow
+from ..loss_scaling.scaler import DynamicLossScaler, as_scaler
 from ..pipeline import binding as _binding, clip as _clip
-from . import gate as _scaling, overflow
-from .scaler import DynamicLossScaler, as_scaler
 
 
 class LossScaling(overflow.OverflowViews):
