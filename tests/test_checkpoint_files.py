@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from mx_lbsgd import amp_support
 from checkpoint_files import CASES
 
 pytestmark = [pytest.mark.unit, pytest.mark.fallback]
@@ -31,12 +32,8 @@ X86_64_V3 = ('avx', 'avx2', 'bmi1', 'bmi2', 'f16c', 'fma', 'movbe')
 
 
 def runs_the_v3_variant():
-    try:
-        with open('/proc/cpuinfo') as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return all(flag in flags for flag in X86_64_V3)
+    flags = amp_support._cpu_flags()
+    return flags is not None and all(flag in flags for flag in X86_64_V3)
 
 
 @pytest.fixture(scope='module')
