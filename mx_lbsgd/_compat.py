@@ -10,6 +10,7 @@ the private names collected from MXNet's own classes and objects.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import sys
@@ -676,23 +677,24 @@ def count_update(opt: mx.optimizer.Optimizer, index: Any) -> None:
     opt._update_count(index)
 
 
-def learning_rates(opt: mx.optimizer.Optimizer, indices: list[Any],
-                   schedule_step: Optional[float] = None) -> list[float]:
-    """The learning rate of each index as MXNet's optimizers compute it for an update: the
-    scheduler's rate at ``num_update`` (or at `schedule_step` when given: an optimizer's
-    ``lr_scaling`` progress) times the parameter's ``lr_mult`` (by index or by name).
+def learning_rates(opt: mx.optimizer.Optimizer, indices: list[Any], lr: float) -> list[float]:
+    """The learning rate of each index for an update whose rate before the per-parameter
+    multipliers is `lr` (the scheduler's): `lr` times the parameter's ``lr_mult`` (by index
+    or by name), in the order and arithmetic of MXNet's optimizers.
 
-    Why: the public ``learning_rate`` is the rate before the per-parameter multipliers; the
-    whole computation is the private ``Optimizer._get_lrs``, which reads the scheduler's
-    step from ``num_update`` (set here for the call only)."""
-    if schedule_step is None or opt.lr_scheduler is None:
-        return opt._get_lrs(indices)
-    counted = opt.num_update
-    opt.num_update = schedule_step
-    try:
-        return opt._get_lrs(indices)
-    finally:
-        opt.num_update = counted
+    Why: MXNet has no public function for the multipliers; its private
+    ``Optimizer._get_lrs`` applies them after calling the scheduler at ``num_update``, which
+    an optimizer with ``lr_scaling`` does not schedule by. This is ``_get_lrs`` of MXNet
+    1.9.1 from its second line on, with the scheduler's rate handed in."""
+    lrs = [lr for _ in indices]
+    for i, index in enumerate(indices):
+        if index in opt.param_dict:
+            lrs[i] *= opt.param_dict[index].lr_mult
+        elif index in opt.lr_mult:
+            lrs[i] *= opt.lr_mult[index]
+        elif index in opt.idx2name:
+            lrs[i] *= opt.lr_mult.get(opt.idx2name[index], 1.0)
+    return lrs
 
 
 def weight_decays(opt: mx.optimizer.Optimizer, indices: list[Any]) -> list[float]:
@@ -828,32 +830,15 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
     ``include/mxnet/ndarray.h``), probed at first use (`_chunks_readable`)."""
     import numpy as np
     from mxnet.base import MXNetError, NDArrayHandle, _LIB, c_str_array, check_call
-    codes = {np.dtype(np.float32): 0, np.dtype(np.float16): 2}
-
-    def usable(group: Sequence[mx.nd.NDArray], ctx: mx.Context) -> bool:
-        return all(a.stype == 'default' and a.context == ctx and np.dtype(a.dtype) in codes
-                   for a in group)
-
-    def build() -> Optional[tuple]:
-        ctx = arrays[0].context
-        if ctx.device_type != 'cpu' or not _chunks_readable() or not usable(arrays, ctx):
-            return None
-        chunks = [_chunk(a) for a in arrays]
-        if len(set(chunks)) != len(arrays):
-            return None
-        n = len(arrays)
-        held = _Held(library, (NDArrayHandle * n)(*[a.handle for a in arrays]),
-                     (ctypes.c_void_p * n)(*chunks), n)
-        return (held, (ctypes.c_int64 * n)(*[a.size for a in arrays]),
-                (ctypes.c_int * n)(*[codes[np.dtype(a.dtype)] for a in arrays]),
-                set(chunks), _EngineContext(1, ctx.device_id))  # Context::kCPU
-    prepared = _identity.kept(cache, ('push', op, len(arrays), id(arrays[0])), arrays, build)
+    codes = _push_dtype_codes()
+    prepared = _identity.kept(cache, ('push', op, len(arrays), id(arrays[0])), arrays,
+                              functools.partial(_prepare_push, library, arrays))
     if prepared is None:
         return False
     held, sizes, dtypes, chunks, context = prepared
     extra = list(loose) + list(outputs)
     extra_chunks = [_chunk(a) for a in extra]
-    if extra and (not usable(extra, arrays[0].context)
+    if extra and (not _pushable(extra, arrays[0].context)
                   or len(chunks.union(extra_chunks)) != len(chunks) + len(extra)):
         return False
     for hook in _INVOKE_HOOKS:
@@ -878,6 +863,40 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
     if result != 0:
         check_call(result)
     return True
+
+
+def _push_dtype_codes() -> dict:
+    """lib_api's dtype codes of the arrays `push_prepared` takes."""
+    import numpy as np
+    return {np.dtype(np.float32): 0, np.dtype(np.float16): 2}
+
+
+def _pushable(group: Sequence[mx.nd.NDArray], ctx: mx.Context) -> bool:
+    """Whether `push_prepared` takes the arrays `group`: dense float32/float16 on `ctx`."""
+    import numpy as np
+    codes = _push_dtype_codes()
+    return all(a.stype == 'default' and a.context == ctx and np.dtype(a.dtype) in codes
+               for a in group)
+
+
+def _prepare_push(library: Any, arrays: Sequence[mx.nd.NDArray]) -> Optional[tuple]:
+    """What `push_prepared` keeps for the inputs `arrays` (their shallow copies, sizes,
+    dtype codes, storage chunks and context), or None when it cannot push them."""
+    import numpy as np
+    from mxnet.base import NDArrayHandle
+    ctx = arrays[0].context
+    if ctx.device_type != 'cpu' or not _chunks_readable() or not _pushable(arrays, ctx):
+        return None
+    chunks = [_chunk(a) for a in arrays]
+    if len(set(chunks)) != len(arrays):
+        return None
+    n = len(arrays)
+    codes = _push_dtype_codes()
+    held = _Held(library, (NDArrayHandle * n)(*[a.handle for a in arrays]),
+                 (ctypes.c_void_p * n)(*chunks), n)
+    return (held, (ctypes.c_int64 * n)(*[a.size for a in arrays]),
+            (ctypes.c_int * n)(*[codes[np.dtype(a.dtype)] for a in arrays]),
+            set(chunks), _EngineContext(1, ctx.device_id))  # Context::kCPU
 
 
 def track_engine_versions(library: Any) -> bool:

@@ -52,7 +52,7 @@ import mxnet as mx
 
 from . import _compat, _legacy
 from .loss_scaling import DynamicLossScaler
-from .pipeline import binding as _binding
+from .gluon import binding as _binding
 from .pipeline.batch_choice import BatchChoiceState
 from .pipeline.lr_scaling import LrScalingState
 

@@ -33,7 +33,9 @@ import weakref
 import mxnet as mx
 
 from . import _compat
-from .pipeline import binding as _binding, lr_scaling as _lr_scaling, noise_probe as _probe
+from .gluon import binding as _binding
+from .pipeline import lr_scaling as _lr_scaling, noise_probe as _probe
+from .pipeline.step_info import StepInfo
 
 __all__ = ['GradientNoiseScale']
 
@@ -174,21 +176,21 @@ class GradientNoiseScale:
             self._binding.observers.remove(self)
 
     # -- observations (called by the Trainer binding) -----------------------------------
-    def before_reduction(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> None:
+    def before_reduction(self, trainer: mx.gluon.Trainer, info: StepInfo) -> None:
         """One micro-batch's local gradients, device by device."""
         if _compat.trainer_updates_on_kvstore(trainer):
             self.close()
             raise ValueError('GradientNoiseScale: this Trainer updates on the kvstore '
                              '(update_on_kvstore=True), so the reduced gradient never reaches '
                              'the workers; use update_on_kvstore=False')
-        self._probe.before_reduction(trainer, opt, self._window_at_trainer())
+        self._probe.before_reduction(trainer, info, self._window_at_trainer())
 
-    def after_reduction(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer,
+    def after_reduction(self, trainer: mx.gluon.Trainer, info: StepInfo,
                         closes_window: bool) -> None:
         """The reduced gradient that the update applies."""
         if not self._checked:
-            self._check_two_sizes(trainer, opt)
-        self._pending.append(self._probe.after_reduction(trainer, opt, closes_window))
+            self._check_two_sizes(trainer)
+        self._pending.append(self._probe.after_reduction(trainer, info, closes_window))
         self._updates += 1
         if self._updates % self.interval == 0:
             self.flush()
@@ -233,7 +235,7 @@ class GradientNoiseScale:
         return (opt.accumulates_at_trainer() or longest > 1) \
             and self._binding.window_at_reduction
 
-    def _check_two_sizes(self, trainer: mx.gluon.Trainer, opt: mx.optimizer.Optimizer) -> None:
+    def _check_two_sizes(self, trainer: mx.gluon.Trainer) -> None:
         self._checked = True
         if self._devices == 1 and _compat.trainer_worker_count(trainer, default=1) == 1 \
                 and not self._window_at_trainer():

@@ -89,11 +89,11 @@ def run(cfg, rank=0, hvd=None, kvstore=None):
     mx.nd.waitall()     # a dist_sync worker must not exit with reductions in flight
     opt = trainer.optimizer
     if auto:
-        chosen = opt._lr_gain.chooser.state
+        chosen = opt._pieces.lr_gain.chooser.state
         return dict(windows=windows, seconds=seconds, history=opt.window_history,
                     timings=[(t.length, t.count, t.seconds) for t in chosen.timings],
                     gain=opt.last_gain, progress=opt.scale_invariant_steps,
-                    noise_scale=opt._lr_gain.piece.state.moments.noise_scale,
+                    noise_scale=opt._pieces.lr_gain.piece.state.moments.noise_scale,
                     truth=truth(batch * len(ctxs), size))
     monitor.flush()
     return dict(b_simple=monitor.b_simple, gradient_sq=monitor.gradient_sq,

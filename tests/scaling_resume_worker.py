@@ -88,7 +88,7 @@ class Run:
         self.clock = _Clock(T_MICRO, T_UPDATE)
         if now is not None:
             self.clock.now = now
-        self.opt._lr_gain._clock = self.clock
+        self.opt._pieces.lr_gain._clock = self.clock
         self.rng = rng
         self.wstar = problem()[0]
         self.gains = []          # (applied updates, last_gain) after every applied update
@@ -119,7 +119,7 @@ class Run:
 
     def optimizer_view(self):
         """What the comparisons read: plain values, exact through JSON."""
-        opt, gain = self.opt, self.opt._lr_gain
+        opt, gain = self.opt, self.opt._pieces.lr_gain
         chooser = gain.chooser
         view = dict(
             scale_invariant_steps=opt.scale_invariant_steps, last_gain=opt.last_gain,

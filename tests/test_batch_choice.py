@@ -180,7 +180,7 @@ def test_difference_estimator_at_scale_one(name, seed):
     trainer = gluon.Trainer(net.collect_params(), name, args)
     for _ in range(2000):
         _step(net, trainer, *_batch(rng, wstar))
-    piece = trainer.optimizer._lr_gain.piece
+    piece = trainer.optimizer._pieces.lr_gain.piece
     sigma2 = trace / B
     assert piece.state.moments.biased
     assert piece.ratio(16, B) == pytest.approx((sigma2 + mu2) / (sigma2 / 16 + mu2), rel=0.1)
@@ -196,7 +196,7 @@ def _auto_trainer(net, name='lbsgd', rule='linear', bounds=(1, 8), interval=2, c
         args.setdefault('warmup_epochs', 0)
     trainer = gluon.Trainer(net.collect_params(), name, args)
     if clock is not None:
-        trainer.optimizer._lr_gain._clock = clock
+        trainer.optimizer._pieces.lr_gain._clock = clock
     return trainer
 
 
@@ -274,9 +274,9 @@ def test_resume_is_bit_for_bit(tmp_path, saver, at, name):
 
     def outcome(net, trainer):
         opt = trainer.optimizer
-        chosen = opt._lr_gain.chooser.state
+        chosen = opt._pieces.lr_gain.chooser.state
         return (net.weight.data().asnumpy(), opt.scale_invariant_steps, opt.last_gain,
-                opt.window_history, opt._lr_gain.piece.state.as_dict(), opt.batch_scale,
+                opt.window_history, opt._pieces.lr_gain.piece.state.as_dict(), opt.batch_scale,
                 [(t.length, t.seconds) for t in chosen.timings], chosen.pending)
 
     net, trainer, rng, wstar, clock = fresh()
@@ -304,7 +304,7 @@ def test_resume_is_bit_for_bit(tmp_path, saver, at, name):
         mx_lbsgd.checkpoint.load_states(trainer, path)
     else:
         trainer.load_states(path)
-        trainer.optimizer._lr_gain._clock = clock
+        trainer.optimizer._pieces.lr_gain._clock = clock
     train(net, trainer, rng, wstar, clock, lambda o: o.micro_batches < total)
     resumed = outcome(net, trainer)
     assert np.array_equal(whole[0], resumed[0])
@@ -323,7 +323,7 @@ def test_resume_at_scale_one_keeps_the_previous_gradient(tmp_path):
     net, trainer, rng, wstar = fresh()
     for _ in range(30):
         _step(net, trainer, *_batch(rng, wstar))
-    whole = trainer.optimizer._lr_gain.piece.state.as_dict()
+    whole = trainer.optimizer._pieces.lr_gain.piece.state.as_dict()
     net, trainer, rng, wstar = fresh()
     for _ in range(17):
         _step(net, trainer, *_batch(rng, wstar))
@@ -336,7 +336,7 @@ def test_resume_at_scale_one_keeps_the_previous_gradient(tmp_path):
     mx_lbsgd.checkpoint.load_states(trainer, path)
     for _ in range(13):
         _step(net, trainer, *_batch(rng, wstar))
-    assert trainer.optimizer._lr_gain.piece.state.as_dict() == whole
+    assert trainer.optimizer._pieces.lr_gain.piece.state.as_dict() == whole
 
 
 @pytest.mark.parametrize('scaled', [False, True])

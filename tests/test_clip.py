@@ -325,7 +325,7 @@ def test_updates_on_the_kvstore_are_refused():
 def test_pickling_keeps_clipping():
     opt = mx.optimizer.create('lblamb', max_grad_norm=2.0, batch_scale=2)
     copy = pickle.loads(pickle.dumps(opt))
-    assert copy.max_grad_norm == 2.0 and copy._clip is not None
+    assert copy.max_grad_norm == 2.0 and copy._pieces.clip is not None
 
 
 # -- sparse gradients -----------------------------------------------------------------------

@@ -236,11 +236,11 @@ def test_skipped_steps_move_nothing():
         _step(net, trainer, rng, wstar)
     opt = trainer.optimizer
     before = (opt.scale_invariant_steps, opt.last_gain,
-              opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
+              opt._pieces.lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
     _window_with_an_inf(net, trainer, rng)
     assert opt.last_step_skipped
     after = (opt.scale_invariant_steps, opt.last_gain,
-             opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
+             opt._pieces.lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
     assert after[:3] == before[:3]
     assert np.array_equal(after[3], before[3])
 
@@ -262,12 +262,12 @@ def test_a_step_skipped_by_clipping_moves_nothing(rule, fused):
         _step(net, trainer, rng, wstar)
     opt = trainer.optimizer
     before = (opt.scale_invariant_steps, opt.last_gain,
-              opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
+              opt._pieces.lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
     native = fused is None and _native.ops() is not None     # the default route's kernels
     with pytest.warns(RuntimeWarning, match='not finite') if not native else _no_warning():
         _window_with_an_inf(net, trainer, rng)
     after = (opt.scale_invariant_steps, opt.last_gain,
-             opt._lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
+             opt._pieces.lr_gain.piece.state.as_dict(), net.weight.data().asnumpy())
     unseen = native and rule != 'adascale'
     assert after[0] == before[0] + (opt.last_gain ** (2 if rule == 'sqrt' else 1)
                                     if unseen else 0.0)
@@ -330,7 +330,7 @@ def test_resume_is_bit_for_bit(tmp_path, saver, at, name):
     def outcome(net, trainer):
         opt = trainer.optimizer
         return (net.weight.data().asnumpy(), opt.scale_invariant_steps, opt.last_gain,
-                opt._lr_gain.piece.state.as_dict())
+                opt._pieces.lr_gain.piece.state.as_dict())
 
     net, trainer, rng, wstar = fresh()
     _train(trainer, net, rng, wstar, 40)

@@ -78,7 +78,7 @@ def _args(name, rule, scale, **extra):
 
 
 def _outcome(weight, opt, gains):
-    return (weight, gains, opt.scale_invariant_steps, opt._lr_gain.piece.state.as_dict(),
+    return (weight, gains, opt.scale_invariant_steps, opt._pieces.lr_gain.piece.state.as_dict(),
             opt.applied_updates, opt.window_history)
 
 
@@ -144,8 +144,8 @@ def test_module_auto_takes_the_gluon_trainers_windows(scaled):
     mod = _module('lbsgd', args(), scaled=scaled)
     net, trainer = _gluon('lbsgd', args())
     clocks = (_Clock(0.01, 0.3), _Clock(0.01, 0.3))
-    mod._optimizer._lr_gain._clock = clocks[0]
-    trainer.optimizer._lr_gain._clock = clocks[1]
+    mod._optimizer._pieces.lr_gain._clock = clocks[0]
+    trainer.optimizer._pieces.lr_gain._clock = clocks[1]
     data = _batches()
     for _ in range(160):
         x, y = next(data)
@@ -154,7 +154,7 @@ def test_module_auto_takes_the_gluon_trainers_windows(scaled):
                        lambda: _gluon_step(net, trainer, x, y, trainer.optimizer.loss_scaler))
     history = mod._optimizer.window_history
     assert len(history) > 2 and history == trainer.optimizer.window_history
-    timed = [[(t.length, t.count, t.seconds) for t in o._lr_gain.chooser.state.timings]
+    timed = [[(t.length, t.count, t.seconds) for t in o._pieces.lr_gain.chooser.state.timings]
              for o in (mod._optimizer, trainer.optimizer)]
     assert timed[0] == timed[1]
     assert np.array_equal(mod.get_params()[0]['fc_weight'].asnumpy(),
@@ -176,7 +176,7 @@ def test_module_with_a_loss_scaler_on_two_devices(monkeypatch, scale):
         for _ in range(40):
             _module_step(mod, *next(data))
         opt = mod._optimizer
-        gains.append((opt.scale_invariant_steps, opt._lr_gain.piece.state.moments.noise_scale))
+        gains.append((opt.scale_invariant_steps, opt._pieces.lr_gain.piece.state.moments.noise_scale))
         assert opt.loss_scaler.total_skipped == 0
     np.testing.assert_allclose(gains[0], gains[1], rtol=1e-4)
     assert gains[0][1] > 0
@@ -218,7 +218,7 @@ def test_module_resume_is_bit_for_bit(tmp_path, at, batch_scale):
     def fresh():
         mod = _module('lbsgd', args)
         clock = _Clock(0.01, 1.0)
-        mod._optimizer._lr_gain._clock = clock
+        mod._optimizer._pieces.lr_gain._clock = clock
         return mod, clock
 
     def train(mod, clock, data, count):
@@ -229,7 +229,7 @@ def test_module_resume_is_bit_for_bit(tmp_path, at, batch_scale):
     def outcome(mod):
         opt = _optimizer(mod)
         return (mod.get_params()[0]['fc_weight'].asnumpy(), opt.scale_invariant_steps,
-                opt.last_gain, opt._lr_gain.piece.state.as_dict(), opt.window_history,
+                opt.last_gain, opt._pieces.lr_gain.piece.state.as_dict(), opt.window_history,
                 opt.batch_scale)
 
     mod, clock = fresh()
@@ -246,7 +246,7 @@ def test_module_resume_is_bit_for_bit(tmp_path, at, batch_scale):
     clock.now = now
     mod.set_params({'fc_weight': weights}, {})
     mx_lbsgd.checkpoint.load_states(mod, path)
-    _optimizer(mod)._lr_gain._clock = clock
+    _optimizer(mod)._pieces.lr_gain._clock = clock
     train(mod, clock, data, 64 - at)
     resumed = outcome(mod)
     assert np.array_equal(whole[0], resumed[0])
@@ -273,7 +273,7 @@ def test_an_optimizer_moved_to_a_module_on_another_device_keeps_estimating(scale
     for _ in range(8 * scale):
         _module_step(first, *next(data))
     opt = first._optimizer
-    moments = opt._lr_gain.piece.state.moments
+    moments = opt._pieces.lr_gain.piece.state.moments
     samples = moments.samples
     assert samples > 0
     second = _module('lbsgd', {}, (mx.cpu(1),), scaled=scaled)
@@ -283,4 +283,4 @@ def test_an_optimizer_moved_to_a_module_on_another_device_keeps_estimating(scale
         for _ in range(8 * scale):
             _module_step(second, *next(data))
     assert second._optimizer is opt
-    assert opt._lr_gain.piece.state.moments.samples >= samples + 6
+    assert opt._pieces.lr_gain.piece.state.moments.samples >= samples + 6

@@ -251,7 +251,7 @@ def test_log_records_are_rate_limited(caplog):
         loss_scaler=DynamicLossScaler(init_scale=2.0 ** 20, warn_backoffs=None),
         overflow_log_interval=10.0), kvstore=None)
     now = [0.0]
-    trainer.optimizer._overflow._clock = lambda: now[0]
+    trainer.optimizer._pieces.overflow._clock = lambda: now[0]
     times = [0.0, 1.0, 2.0, 9.0, 11.0, 12.0]
     with caplog.at_level(logging.INFO, logger='mx_lbsgd'):
         for s, t in enumerate(times):

@@ -10,7 +10,8 @@ from mx_lbsgd import schedules
 from mx_lbsgd.pipeline.progress import SkipLedger
 from mx_lbsgd.pipeline.trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
 from mx_lbsgd.pipeline.warmup import Warmup
-from mx_lbsgd.pipeline.window import InOptimizerWindow, TrainerWindow
+from mx_lbsgd.gluon.window import TrainerWindow
+from mx_lbsgd.pipeline.window import InOptimizerWindow
 from reference import lars_factor, warmup_multiplier
 
 pytestmark = [pytest.mark.unit, pytest.mark.pipeline, pytest.mark.fallback]

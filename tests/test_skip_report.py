@@ -15,7 +15,7 @@ from mxnet import autograd, gluon, nd
 
 import mx_lbsgd
 from mx_lbsgd import DynamicLossScaler, LossScaleFallingWarning
-from mx_lbsgd.pipeline import binding
+from mx_lbsgd.gluon import binding
 
 pytestmark = [pytest.mark.unit, pytest.mark.fallback]
 
@@ -177,9 +177,9 @@ def test_a_bad_hook_channel_is_refused_before_anything_changes(value):
 def test_the_channel_travels_with_the_optimizer():
     opt = mx_lbsgd.LossScaledSGD(overflow_alert='log')
     copy = pickle.loads(pickle.dumps(opt))
-    assert copy.overflow_alert == 'log' and copy._overflow.alert == 'log'
+    assert copy.overflow_alert == 'log' and copy._pieces.overflow.alert == 'log'
     state = opt.__getstate__()
     del state['overflow_alert']                  # pickled before the setting existed
     old = mx_lbsgd.LossScaledSGD.__new__(mx_lbsgd.LossScaledSGD)
     old.__setstate__(state)
-    assert old._overflow.alert == 'warn'
+    assert old._pieces.overflow.alert == 'warn'

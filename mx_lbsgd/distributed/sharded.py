@@ -295,24 +295,10 @@ class ShardedTrainer(_compat.StepHookTrainer):
             self._mine_set = frozenset(self._owned())
         return self._mine_set
 
-    def _check_same_everywhere(self) -> None:
-        """Once: every rank holds the same initial parameters (a digest per parameter,
-        allgathered and compared)."""
-        digest = nd.concat(*[nd.sum(nd.abs(p.list_data()[0].astype('float64'))).reshape((1,))
-                             for p in _compat.trainer_params(self)], dim=0).reshape((1, -1))
-        everyone = self._hvd.allgather(digest, name='%s.check' % self._hvd_prefix).asnumpy()
-        for k, p in enumerate(_compat.trainer_params(self)):
-            if not np.all(everyone[:, k] == everyone[0, k]):
-                raise ValueError(
-                    'ShardedTrainer: parameter %r differs across ranks (sum of |w| per rank: '
-                    '%s); broadcast the parameters first: '
-                    'mx_lbsgd.distributed.broadcast_parameters(params, root_rank=0)'
-                    % (p.name, everyone[:, k].tolist()))
-        self._checked = True
-
     def _prepare(self) -> None:
         if not self._checked:
-            self._check_same_everywhere()
+            _check_same_everywhere(self)
+            self._checked = True
         if self._layouts or self.size == 1:
             return
         params = _compat.trainer_params(self)
@@ -483,6 +469,22 @@ class ShardedTrainer(_compat.StepHookTrainer):
             updater = _compat.trainer_updaters(self)[0]
             updater.states = {i: s for i, s in updater.states.items() if i in owned}
             updater.states_synced = dict.fromkeys(updater.states, False)
+
+
+def _check_same_everywhere(trainer: ShardedTrainer) -> None:
+    """Once: every rank holds the same initial parameters (a digest per parameter,
+    allgathered and compared)."""
+    params = _compat.trainer_params(trainer)
+    digest = nd.concat(*[nd.sum(nd.abs(p.list_data()[0].astype('float64'))).reshape((1,))
+                         for p in params], dim=0).reshape((1, -1))
+    everyone = trainer._hvd.allgather(digest, name='%s.check' % trainer._hvd_prefix).asnumpy()
+    for k, p in enumerate(params):
+        if not np.all(everyone[:, k] == everyone[0, k]):
+            raise ValueError(
+                'ShardedTrainer: parameter %r differs across ranks (sum of |w| per rank: '
+                '%s); broadcast the parameters first: '
+                'mx_lbsgd.distributed.broadcast_parameters(params, root_rank=0)'
+                % (p.name, everyone[:, k].tolist()))
 
 
 def _bytes_held(trainer: ShardedTrainer) -> Tuple[int, int]:

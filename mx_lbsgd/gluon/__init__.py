@@ -5,10 +5,14 @@ from __future__ import annotations
 import mxnet as mx
 
 from .. import _compat
-from ..pipeline import binding as _binding
+from ..pipeline import protocol as _protocol
+from . import binding as _binding
 from .hook import LossScaling
 
 __all__ = ['LossScaling', 'bind', 'init_kvstore']
+
+# an mx_lbsgd optimizer binds the Trainer that steps it (its rescale_grad setter)
+_protocol.register_trainer_binder(_binding.bind)
 
 def bind(trainer: mx.gluon.Trainer, window: bool = True) -> mx.gluon.Trainer:
     """Bind `trainer` to mx_lbsgd's step protocol now (an mx_lbsgd optimizer binds its

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
+from typing import (Any, Counter, Deque, Dict, Iterable, List, Optional, Sequence, Tuple,
+                    Union, cast)
 
 import numpy as np
 import mxnet as mx
@@ -12,10 +13,11 @@ from .. import _compat, _kernels
 from .._checks import check_choice, check_int, check_real
 from ..loss_scaling import gate as _scaling, overflow
 from ..loss_scaling.scaler import DynamicLossScaler, as_scaler
-from ..pipeline import binding as _binding, clip as _clip
+from ..pipeline import clip as _clip
+from . import binding as _binding
 
 
-class LossScaling(overflow.OverflowViews):
+class LossScaling:
     """Attach dynamic loss scaling to one or several ``gluon.Trainer`` objects::
 
         scaling = mx_lbsgd.LossScaling(trainer)          # or [trainer_a, trainer_b]
@@ -165,6 +167,21 @@ class LossScaling(overflow.OverflowViews):
         self.batch_size: Optional[int] = None
         for t in self.trainers:
             _binding.bind(t, window=False).loss_scaling = weakref.ref(self)
+
+    @property
+    def last_overflow(self) -> Optional[overflow.OverflowReport]:
+        """The `OverflowReport` of the last step if it was skipped, else None."""
+        return self._overflow.last
+
+    @property
+    def overflow_history(self) -> Deque[overflow.OverflowReport]:
+        """The last reports (a deque, oldest first)."""
+        return self._overflow.history
+
+    @property
+    def overflow_tally(self) -> Counter[str]:
+        """How many skipped steps each parameter overflowed in, as a Counter (by name)."""
+        return self._overflow.tally
 
     @property
     def scale(self) -> float:

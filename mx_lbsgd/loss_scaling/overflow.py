@@ -35,7 +35,7 @@ import time
 import types
 import warnings
 from typing import (TYPE_CHECKING, Any, Callable, Counter, Deque, Dict, Iterable, List,
-                    Mapping, Optional, Sequence, Tuple, cast)
+                    Mapping, Optional, Protocol, Sequence, Tuple, cast, runtime_checkable)
 
 import numpy as np
 import mxnet as mx
@@ -271,9 +271,11 @@ def _locate(*, flags: Dict[int, bool], micro_batch: Optional[int], num_workers: 
     return micro_batch, False, ' '.join(notes)
 
 
-class OverflowViews:
-    """`last_overflow`, `overflow_history` and `overflow_tally` of an object that keeps its
-    reports in ``self._overflow`` (the loss-scaled optimizers and the LossScaling hook).
+@runtime_checkable
+class OverflowViews(Protocol):
+    """`last_overflow`, `overflow_history` and `overflow_tally`: what the loss-scaled
+    optimizers and the LossScaling hook report of their `OverflowMonitor` (each delegates
+    the three to its monitor). ``isinstance`` checks an object for the three.
 
     Examples
     --------
@@ -284,22 +286,17 @@ class OverflowViews:
     (True, None, 0)
     """
 
-    _overflow: OverflowMonitor
-
     @property
     def last_overflow(self) -> Optional[OverflowReport]:
         """The `OverflowReport` of the last step if it was skipped, else None."""
-        return self._overflow.last
 
     @property
     def overflow_history(self) -> Deque[OverflowReport]:
         """The last reports (a deque, oldest first)."""
-        return self._overflow.history
 
     @property
     def overflow_tally(self) -> Counter[str]:
         """How many skipped steps each parameter overflowed in, as a Counter (by name)."""
-        return self._overflow.tally
 
 
 class OverflowMonitor:

@@ -16,7 +16,7 @@ device value: nothing is read back to the host and no gradient is rewritten (exc
 MXNet's LAMB operators, whose rescale_grad is a float).
 
 Where the norm is measured: under a gluon Trainer from the reduced gradients the step
-hands over (`StepProtocol.begin_step`); otherwise (Module, an accumulation window inside
+hands over (the shell's `begin_step`); otherwise (Module, an accumulation window inside
 the optimizer) over every call of the step, once the loss-scale gate has them all. A
 kvstore that updates the weights itself (``update_on_kvstore=True``, or the servers of a
 dist kvstore) updates each parameter as its gradient arrives, so it is refused.

@@ -1,7 +1,10 @@
-"""The ``lr_scaling`` gain of each update under a gluon Trainer (`lr_scaling` over
-`noise_probe`), and the goodput-chosen window of ``batch_scale='auto'`` (`batch_choice`).
+"""The ``lr_scaling`` gain of each update (`lr_scaling` over `noise_probe`), and the
+goodput-chosen window of ``batch_scale='auto'`` (`batch_choice`): one estimator, fed by a
+gluon Trainer's step or by a Module's micro-batches through the two adapters of
+`gain_feeds`.
 
-Per update, driven by the step protocol (`binding` -> the optimizer -> here)::
+Per update under a Trainer (`gluon.binding` -> the shell -> `gain_feeds.TrainerFeed` ->
+here)::
 
     each micro-batch, first:                  a window begins: take the chosen length
     each micro-batch, before the reduction:   probe the local norms      (measuring)
@@ -16,11 +19,11 @@ Per update, driven by the step protocol (`binding` -> the optimizer -> here)::
     a skipped update:                         nothing is estimated, advanced or chosen
 
 Under Module or a bare Updater no Trainer says where an update begins; the step gate holds
-each micro-batch's calls together, and `module_step` takes the norms of the gradients the
-Updater passes (already reduced over the devices and workers: the base batch is the
-Module's batch, 1 / rescale_grad, and S = batch_scale): each micro-batch's, and at the
-window's end the accumulated window's (at S = 1, the difference estimator's, read with the
-loss scaler's flag when there is one).
+each micro-batch's calls together, and `gain_feeds.ModuleFeed` takes the norms of the
+gradients the Updater passes (already reduced over the devices and workers: the base batch
+is the Module's batch, 1 / rescale_grad, and S = batch_scale): each micro-batch's, and at
+the window's end the accumulated window's (at S = 1, the difference estimator's, read with
+the loss scaler's flag when there is one).
 
 Measuring ('adascale', or ``batch_scale='auto'``) costs one pass over the gradients per
 micro-batch and one over the reduced gradient (at S = 1 on one device, the difference
@@ -35,19 +38,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import mxnet as mx
 
-from .. import _compat, _kernels
+from .. import _kernels
 from .._checks import check_choice, check_real
-from . import binding as _binding, noise_probe as _probe, progress as _progress
+from . import noise_probe as _probe
 from .batch_choice import BatchChoice, BatchChoiceState
 from .clip import GlobalNormClip, StepNorms
 from .lr_scaling import RULES, LrScaling, LrScalingState
-
-if TYPE_CHECKING:
-    from .optimizer_view import GainView
 
 
 @dataclasses.dataclass
@@ -63,28 +63,6 @@ class _Update:
     gain: Optional[float] = None
 
 
-@dataclasses.dataclass
-class _MeasuredDevice:
-    """The device whose micro-batches a Module's estimates take: the first one seen, until
-    another device delivers twice while it does not (the optimizer moved on to a Module
-    bound elsewhere, whose first device it then is)."""
-
-    device: Optional[mx.Context] = None
-    elsewhere: Set[mx.Context] = dataclasses.field(default_factory=set)
-
-    def measures(self, device: mx.Context, early: bool) -> bool:
-        """Whether a micro-batch on `device` is measured; an `early` call and the step's
-        own call that follows it deliver once."""
-        if self.device is None or device in self.elsewhere:
-            self.device = device
-        if device == self.device:
-            self.elsewhere.clear()
-            return True
-        if not early:
-            self.elsewhere.add(device)
-        return False
-
-
 class LrGain:
     """See the module docstring. `piece` holds the rule and its state; `chooser` the
     window choice (``batch_scale='auto'``) or None; `clock` gives host seconds."""
@@ -93,8 +71,8 @@ class LrGain:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.piece, self.chooser = piece, chooser
         self._clock = clock
-        self._probe: Optional[_probe.NormProbe] = None
-        self._observation: Optional[_probe.Observation] = None
+        #: the norms' probe, made at the first micro-batch measured
+        self.probe: Optional[_probe.NormProbe] = None
         self._update: Optional[_Update] = None
         # the host time of the last update's read ('auto'); the length of the window whose
         # seconds went out with the last reduction
@@ -102,97 +80,44 @@ class LrGain:
         self._timed = 0
         # a checkpoint's previous gradient (difference estimator), for a one-device probe
         self._saved_previous: Optional[Tuple[float, list]] = None
-        self._module_early = False
-        self._module_device = _MeasuredDevice()
 
     @property
     def measures(self) -> bool:
         """Whether the updates' gradient norms are taken."""
         return self.piece.measures or self.chooser is not None
 
-    def window_begins(self, trainer: mx.gluon.Trainer, opt: GainView) -> None:
-        """A micro-batch begins, before anything reads the window: at a window boundary the
-        chosen length takes effect (``opt.batch_scale``). 'auto' is refused here, before
-        anything changes, where the window cannot be at the Trainer's reduction."""
-        if self.chooser is None:
-            return
-        binding = _binding.bound(trainer)
-        if binding is None or not binding.windows_at_reduction():
-            raise ValueError(
-                "batch_scale='auto' needs the accumulation window at the Trainer's "
-                'reduction, where windows of any length are summed and measured; this '
-                'Trainer reduces every micro-batch (row_sparse gradients, or a LossScaling '
-                "hook: give the optimizer its own loss_scaler). Use a fixed batch_scale, or "
-                'dense gradients')
-        self.take_window(opt)
-
-    def micro_batch(self, trainer: mx.gluon.Trainer, opt: GainView,
-                    window_at_trainer: bool) -> None:
-        if not self.measures:
-            return
-        devices = self._probe.devices if self._probe is not None else \
-            len(_compat.trainer_params(trainer)[0].list_ctx())
-        self._probe_of(devices).before_reduction(trainer, opt, window_at_trainer)
-
     def pending_small(self) -> Optional[Tuple[int, List[Tuple[float, float]]]]:
         """(devices, [(sum of squares, factor)] of the small norms taken so far in an open
         window): what a checkpoint in the middle of a window keeps (one host read)."""
-        if self._probe is None or not self._probe.small:
+        if self.probe is None or not self.probe.small:
             return None
-        values = _probe.read([a for a, _ in self._probe.small])
-        return self._probe.devices, [(v, f) for v, (_, f) in zip(values, self._probe.small)]
+        values = _probe.read([a for a, _ in self.probe.small])
+        return self.probe.devices, [(v, f) for v, (_, f) in zip(values, self.probe.small)]
 
     def restore_small(self, devices: int, pairs: List[Tuple[float, float]]) -> None:
         """Resume `pending_small` (a checkpoint saved in the middle of a window); the sums
         were float32, so they come back exactly."""
         self._ensure_probe(devices)
-        cast(_probe.NormProbe, self._probe).small = [
+        cast(_probe.NormProbe, self.probe).small = [
             (mx.nd.array([v], dtype='float32'), float(f)) for v, f in pairs]
 
     def previous_gradient(self) -> Optional[Tuple[float, list]]:
         """The difference estimator's last gradient (a checkpoint keeps it), or None."""
         if self._saved_previous is not None:
             return self._saved_previous
-        previous = None if self._probe is None else self._probe.previous
+        previous = None if self.probe is None else self.probe.previous
         return None if previous is None else previous.saved()
 
     def restore_previous(self, saved: Tuple[float, list]) -> None:
         """Resume `previous_gradient` at the next micro-batch, if the Trainer has one
         device."""
         self._saved_previous = (float(saved[0]), list(saved[1]))
-        if self._probe is not None and self._probe.previous is not None:
-            self._probe.previous.forget()
+        if self.probe is not None and self.probe.previous is not None:
+            self.probe.previous.forget()
 
     def _ensure_probe(self, devices: int) -> None:
-        if self._probe is None or self._probe.devices != devices:
-            self._probe = _probe.NormProbe(devices, small_every=1, difference=True)
-
-    def reduced(self, trainer: mx.gluon.Trainer, opt: GainView,
-                closes_window: bool) -> None:
-        if self._probe is None:
-            return
-        extra = self._unsent()
-        self._observation = self._probe.after_reduction(trainer, opt, closes_window,
-                                                        across_workers=True, extra=extra)
-
-    def begin(self, trainer: mx.gluon.Trainer, opt: GainView,
-              closes_window: Optional[bool]) -> None:
-        """A Trainer step begins; `closes_window` as `begin_step`'s (False: a micro-batch
-        that only accumulates)."""
-        if closes_window is False:
-            return
-        if self.piece.measures and closes_window is None and opt.batch_scale > 1:
-            raise ValueError(
-                "lr_scaling='adascale' with batch_scale=%d needs the accumulation window at "
-                "the Trainer's reduction, where the window's gradient is measured; this "
-                'Trainer accumulates inside the optimizer (row_sparse gradients, or '
-                "GradientNoiseScale/LossScaling set up without a window). Use lr_scaling="
-                "'linear' or 'sqrt', or dense gradients" % opt.batch_scale)
-        seen, self._observation = self._observation, None
-        workers = _compat.trainer_worker_count(trainer, default=1)
-        self._update = _Update(scale=float(opt.batch_scale * workers), observation=seen,
-                               length=opt.batch_scale, timed=self._timed)
-        self._timed = 0
+        if self.probe is None or self.probe.devices != devices:
+            self.probe = _probe.NormProbe(devices, small_every=1, difference=True)
 
     def pending(self) -> bool:
         """Whether the update begun has norms still to read."""
@@ -252,84 +177,35 @@ class LrGain:
             update.values = _probe.read(update.observation.arrays())
             self._read_at(update)
 
-    # -- Module and bare Updaters: no Trainer says where an update begins -----------------
-    def take_window(self, opt: GainView) -> None:
-        """At a window boundary ('auto'): the chosen length takes effect."""
+    def start_update(self, scale: float, observation: Optional[_probe.Observation],
+                     length: int) -> None:
+        """An update of `length` micro-batches at S = `scale` begins, with its norms
+        `observation` (None: not measured); the last window's seconds ride along."""
+        self._update = _Update(scale=scale, observation=observation, length=length,
+                               timed=self._timed)
+        self._timed = 0
+
+    def take_window(self, micro_batches: Callable[[], int]) -> Optional[int]:
+        """At a window boundary ('auto'): the chosen length, which takes effect (None: the
+        length stays); `micro_batches` counts the micro-batches so far."""
         if self.chooser is not None and self.chooser.state.pending is not None:
             # (only then: counting the micro-batches is a pass over the parameters)
-            opt.batch_scale = self.chooser.window_begins(_progress.micro_batches(opt))
+            return self.chooser.window_begins(micro_batches())
+        return None
 
-    def module_step(self, opt: GainView, micro: Sequence[mx.nd.NDArray],
-                    factor: float, closes: bool,
-                    window: Optional[Sequence[mx.nd.NDArray]], early: bool = False,
-                    window_unit: Optional[float] = None) -> None:
-        """One micro-batch of a Module or a bare Updater, whose calls the step gate held
-        together: `micro` its gradients on one device (the Updater's are reduced over the
-        devices and workers already), times `factor` mean per-example gradients of the
-        Module's batch b = 1 / rescale_grad (the base batch: S = batch_scale); `window` the
-        accumulated gradients when it `closes` a window of more than one (their mean per
-        example: times 1 / batch_scale; with `window_unit` the window's mean in the units of
-        a Trainer's reduced gradient, times `window_unit` / b). At S = 1, the difference
-        estimator. With a loss scaler at S = 1 the gate's finite check calls this `early`,
-        before its flag read, which then brings the norms; the step's own call is then a
-        no-op."""
-        if micro and not self._module_device.measures(micro[0].context, early):
-            return          # another device's copy (the first step decides device by device)
-        if self._module_early:      # taken early: the step's own call
-            self._module_early = early
-            return
-        if not micro:               # a skipped step
-            return
-        self._module_early = early
-        seen = self._module_observation(opt, micro, factor, closes, window, window_unit) \
-            if self.measures else None
-        if closes:
-            self._update = _Update(scale=float(opt.batch_scale), observation=seen,
-                                   length=opt.batch_scale, timed=self._timed)
-            self._timed = 0
-
-    def _module_observation(self, opt: GainView, micro: Sequence[mx.nd.NDArray],
-                            factor: float, closes: bool,
-                            window: Optional[Sequence[mx.nd.NDArray]],
-                            window_unit: Optional[float] = None
-                            ) -> Optional[_probe.Observation]:
-        probe = self._probe_of(1)
-        batch = 1.0 / opt.rescale_grad
-        dense = all(g.stype == 'default' for g in micro)
-        if window is None and closes:        # a window of one: one gradient per update
-            previous = cast(_probe.PreviousGradient, probe.previous)
-            pair = previous.pair(micro, factor) if dense else None
-            extra = self._unsent()
-            if pair is None:
-                return _probe.Observation(small=[], big=(_probe.sum_squares(micro),
-                                                         factor * batch), batch=batch,
-                                          devices=1, workers=1, window=1, extra=extra)
-            return _probe.Observation(small=pair[0], big=pair[1], batch=batch, devices=1,
-                                      workers=1, window=1, extra=extra, difference=True)
-        cast(_probe.PreviousGradient, probe.previous).forget()
-        probe.small.append((_probe.sum_squares(micro), factor * factor))
-        if not closes or window is None:
-            return None
-        unit = batch / opt.batch_scale if window_unit is None else window_unit
-        seen = _probe.Observation(small=probe.small, big=(_probe.sum_squares(window), unit),
-                                  batch=batch, devices=1, workers=1, window=opt.batch_scale,
-                                  extra=self._unsent())
-        probe.small = []
-        return seen
-
-    def _probe_of(self, devices: int) -> _probe.NormProbe:
+    def probe_of(self, devices: int) -> _probe.NormProbe:
         """The probe (made for `devices` devices if there is none yet), with a checkpoint's
         previous gradient put back (one device: the difference estimator's)."""
-        if self._probe is None:
-            self._probe = _probe.NormProbe(devices, small_every=1, difference=True)
-        probe = self._probe
+        if self.probe is None:
+            self.probe = _probe.NormProbe(devices, small_every=1, difference=True)
+        probe = self.probe
         if self._saved_previous is not None:
             if probe.devices == 1:
                 cast(_probe.PreviousGradient, probe.previous).restore(*self._saved_previous)
             self._saved_previous = None
         return probe
 
-    def _unsent(self) -> Tuple[float, ...]:
+    def unsent_seconds(self) -> Tuple[float, ...]:
         """('auto') the seconds of the last window timed on this worker, which go with this
         update's norms (reduced with them, on several workers)."""
         if self.chooser is None:
@@ -375,7 +251,8 @@ def value_is_finite(gain: Optional[LrGain], array: mx.nd.NDArray, flag: bool = F
 
 def build(attributes: Dict[str, Any], power: float) -> Optional[LrGain]:
     """The gain of an optimizer whose ``__dict__`` is `attributes` (None without a rule),
-    resuming the states `pickled` kept there (which it removes)."""
+    resuming the states `pickled` kept there (which it removes). With a chooser, the
+    optimizer's window length is then ``gain.chooser.state.window``."""
     saved = attributes.pop('_lr_scaling_state', None)
     chosen = attributes.pop('_batch_choice_state', None)
     rule = attributes.setdefault('lr_scaling', None)       # pickled before it existed
@@ -387,7 +264,6 @@ def build(attributes: Dict[str, Any], power: float) -> Optional[LrGain]:
     if bounds is not None:
         chooser = BatchChoice(tuple(bounds), attributes.get('batch_scale_interval', 16),
                               None if chosen is None else BatchChoiceState.from_dict(chosen))
-        attributes['batch_scale'] = chooser.state.window
     return LrGain(LrScaling(rule, attributes.get('lr_scaling_smoothing', 0.999), power,
                             state), chooser)
 
@@ -414,45 +290,6 @@ def refuse_kvstore_updates(owner: str, rule: Any, auto: bool) -> None:
         "and never see a whole update; use gluon.Trainer(..., update_on_kvstore=False) "
         '(Module: kvstore=None, or the environment variable MXNET_UPDATE_ON_KVSTORE=0)'
         % (owner, rule, ", batch_scale='auto'" if auto else ''))
-
-
-def refuse_auto_on_workers(opt: Any) -> None:
-    """``batch_scale='auto'`` under Module or a bare Updater chooses from this process's
-    clock alone: refused (before anything changes) where several workers reduce."""
-    workers = getattr(opt, '_module_worker', None) or _compat.horovod_worker()
-    if workers is not None and workers[1] > 1:
-        raise ValueError(
-            "batch_scale='auto' under Module (or a bare Updater) on %d workers: each worker "
-            'would time its own windows and choose its own lengths, and the reductions '
-            'would no longer match. Use a gluon Trainer (gluon.Trainer with a dist kvstore, '
-            "Horovod's DistributedTrainer or mx_lbsgd.ShardedTrainer), whose window times "
-            'are reduced with the norms, or a fixed batch_scale' % workers[1])
-
-
-def held_by_gate(gain: Optional[LrGain], opt: Any) -> bool:
-    """Whether the gain of `opt`'s update needs the step gate to hold a micro-batch's calls
-    together (Module or a bare Updater: no Trainer says where an update begins); refuses
-    'auto' there on several workers."""
-    if gain is None or opt._step_trainer is not None:
-        return False
-    if gain.chooser is not None:
-        refuse_auto_on_workers(opt)
-    return True
-
-
-def module_check(gain: Optional[LrGain], opt: Any, grads: Sequence[mx.nd.NDArray],
-                 factor: float) -> None:
-    """The gate's finite check of a Module's micro-batch (`grads`: the step's, on every
-    device; `factor`: rescale_grad / loss scale): at a window boundary a chosen length
-    takes effect first ('auto'), and at S = 1 the difference estimator's norms are taken,
-    so that the check's one read brings them (`LrGain.module_step`)."""
-    if gain is None or opt._step_trainer is not None:
-        return
-    if gain.chooser is not None and opt.window_position == 0:
-        gain.take_window(opt)
-    if opt.batch_scale == 1:
-        first = [g for g in grads if g.context == grads[0].context]
-        gain.module_step(opt, first, factor, closes=True, window=None, early=True)
 
 
 def windows(gain: Optional[LrGain]) -> Optional[BatchChoiceState]:

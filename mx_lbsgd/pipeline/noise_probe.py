@@ -18,18 +18,14 @@ few updates) and an optimizer's ``lr_scaling='adascale'`` (read once per update)
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, cast
+from typing import List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import mxnet as mx
 from mxnet import nd
 
 from .. import _compat, _kernels, _native
-from . import binding as _binding
-
-if TYPE_CHECKING:
-    from .optimizer_view import GainView
+from .step_info import StepInfo
 
 #: A squared norm on the device ((1,) array) and the factor that turns it into units of the
 #: mean per-example gradient.
@@ -207,18 +203,18 @@ class NormProbe:
         self.previous = PreviousGradient() if difference else None
         self._dense: Optional[bool] = None
 
-    def before_reduction(self, trainer: mx.gluon.Trainer, opt: GainView,
+    def before_reduction(self, trainer: mx.gluon.Trainer, info: StepInfo,
                          window_at_trainer: bool) -> None:
         """One micro-batch's local gradients, device by device."""
-        every = self.small_every or (opt.batch_scale if window_at_trainer else 1)
-        if opt.window_position % every or self._single(trainer, opt):
+        every = self.small_every or (info.batch_scale if window_at_trainer else 1)
+        if info.window_position() % every or self._single(trainer, info):
             return
-        b_small = worker_batch(trainer, opt) / self.devices
-        factor = 1.0 / (b_small * loss_scale(trainer, opt))
+        b_small = info.worker_batch() / self.devices
+        factor = 1.0 / (b_small * info.loss_scale())
         for grads in gradients_by_device(trainer):
             self.small.append((sum_squares(grads), factor ** 2))
 
-    def after_reduction(self, trainer: mx.gluon.Trainer, opt: GainView,
+    def after_reduction(self, trainer: mx.gluon.Trainer, info: StepInfo,
                         closes_window: bool, across_workers: bool = False,
                         extra: Sequence[float] = ()) -> Observation:
         """The reduced gradient that the update applies; returns the update's norms. With
@@ -227,19 +223,19 @@ class NormProbe:
         `extra`, whose mean over the workers `Norms.extra` gives), so that every worker
         resolves the same norms."""
         workers = _compat.trainer_worker_count(trainer, default=1)
-        batch = worker_batch(trainer, opt)
-        window = opt.batch_scale if closes_window else 1
+        batch = info.worker_batch()
+        window = info.batch_scale if closes_window else 1
         # the reduced gradient times `mean` is the mean over workers of each worker's
         # gradient (its sum over `batch` examples; a window's mean of such sums)
         mean = _compat.reduced_gradient_mean_factor(trainer)
-        if self._single(trainer, opt):
-            return self._difference(trainer, opt, batch, mean, extra)
+        if self._single(trainer, info):
+            return self._difference(trainer, info, batch, mean, extra)
         if self.previous is not None:
             self.previous.forget()          # a gradient from before a longer window is stale
         # a sharded Trainer's ranks hold the reduced gradients they own: its sum over them
         reduced = getattr(trainer, 'reduced_sum_of_squares', None)
         big = reduced() if reduced is not None else sum_squares(gradients_by_device(trainer)[0])
-        seen = Observation(small=self.small, big=(big, mean / loss_scale(trainer, opt)),
+        seen = Observation(small=self.small, big=(big, mean / info.loss_scale()),
                            batch=batch, devices=self.devices, workers=workers, window=window,
                            extra=tuple(extra))
         self.small = []
@@ -252,69 +248,31 @@ class NormProbe:
             _compat.sum_over_workers(trainer, seen.job)
         return seen
 
-    def _single(self, trainer: mx.gluon.Trainer, opt: GainView) -> bool:
+    def _single(self, trainer: mx.gluon.Trainer, info: StepInfo) -> bool:
         """Whether the difference estimator takes this update: one gradient per update
         (one worker, one device, windows of 1, dense)."""
-        if self.previous is None or self.devices != 1 or opt.batch_scale != 1 \
+        if self.previous is None or self.devices != 1 or info.batch_scale != 1 \
                 or _compat.trainer_worker_count(trainer, default=2) != 1:
             return False
         if self._dense is None:
             self._dense = not _compat.has_sparse_gradients(trainer)
         return self._dense
 
-    def _difference(self, trainer: mx.gluon.Trainer, opt: GainView, batch: float,
+    def _difference(self, trainer: mx.gluon.Trainer, info: StepInfo, batch: float,
                     mean: float, extra: Sequence[float]) -> Observation:
         """One worker, one device, a window of 1: the difference estimator's norms (an
         observation without small norms, which gives no estimate, on the first update)."""
         self.small = []
         grads = gradients_by_device(trainer)[0]
-        factor = mean / (batch * loss_scale(trainer, opt))
+        factor = mean / (batch * info.loss_scale())
         pair = cast(PreviousGradient, self.previous).pair(grads, factor)
         if pair is None:
-            return Observation(small=[], big=(sum_squares(grads), mean / loss_scale(
-                trainer, opt)), batch=batch, devices=1, workers=1, window=1,
-                extra=tuple(extra))
+            return Observation(small=[], big=(sum_squares(grads), mean / info.loss_scale()),
+                               batch=batch, devices=1, workers=1, window=1,
+                               extra=tuple(extra))
         small, big = pair
         return Observation(small=small, big=big, batch=batch, devices=1, workers=1, window=1,
                            extra=tuple(extra), difference=True)
-
-def worker_batch(trainer: mx.gluon.Trainer, opt: GainView) -> float:
-    """Examples per step on this worker (over its devices), from the step's batch
-    argument read the way the docs' recipe for each engine passes it:
-
-    - one device, several devices (``local``/``device`` kvstore), Horovod: the step's
-      batch is this worker's (``trainer.step(batch_per_worker)``);
-    - ``dist_*`` kvstores: the step's batch is the job's
-      (``trainer.step(batch_per_worker * kv.num_workers)``, as Module's
-      ``rescale_grad`` is: the servers sum, so only then does the update apply the
-      mean gradient), and this worker's share is that over ``num_workers``.
-
-    The step's batch: Trainer.step(batch_size) sets rescale_grad to scale / batch_size
-    (Horovod's trainer folds its mean over workers into that scale: the quotient is
-    still the argument). Under a `LossScaling` hook, whose Trainer.update sets
-    rescale_grad only after the reduction (with 1/scale folded in): the batch of the
-    hook's last step (NaN before its first, and the update is left out of the
-    estimates)."""
-    hook = _binding.loss_scaling_of(trainer)
-    if hook is not None:
-        step_batch = float(hook.batch_size or math.nan)
-    else:
-        step_batch = _compat.trainer_scale(trainer) / opt.rescale_grad
-    kind = _compat.trainer_kvstore_type(trainer)
-    if kind and kind.startswith('dist'):
-        return step_batch / _compat.trainer_worker_count(trainer, default=math.nan)
-    return step_batch
-
-
-def loss_scale(trainer: mx.gluon.Trainer, opt: Any) -> float:
-    """The scale the observed gradients carry: the optimizer's loss scaler's, or the
-    `LossScaling` hook's (1 when the hook is inactive)."""
-    hook = _binding.loss_scaling_of(trainer)
-    if hook is not None:
-        return float(hook.scale)
-    scaler = getattr(opt, 'loss_scaler', None)
-    return 1.0 if scaler is None else float(scaler.scale)
-
 
 def gradients_by_device(trainer: mx.gluon.Trainer) -> List[List[mx.nd.NDArray]]:
     """[[gradients of device 0], [of device 1], ...] of the trainable parameters."""

@@ -1,13 +1,11 @@
-"""What the pieces and the Trainer binding see of the optimizer shell: declared views
-(``typing.Protocol``), so that they name no class of the shell and import nothing that
-imports them back.
+"""What the Trainer binding sees of the optimizer shell: a declared view
+(``typing.Protocol``), so that it names no class of the shell and imports nothing that
+imports it back.
 
-- `GainView`: what the gain pieces (`lr_gain.LrGain`, `noise_probe.NormProbe`) read of
-  the optimizer, and the one value `LrGain` writes (``batch_scale``, the window length
-  ``batch_scale='auto'`` chose).
-- `StepOptimizer`: what the Trainer binding calls on the optimizer it finds on a Trainer
-  (the step protocol of `protocol.StepProtocol`, and the refusals before a kvstore
-  updates the weights).
+`StepOptimizer` lists what the binding reads and calls on the optimizer it finds on a
+Trainer: the step protocol (the shell's ``begin_step``, ``step_info``, ``wants_*``, ...)
+and the refusals before a kvstore updates the weights. The gain pieces see no optimizer:
+they are handed a `step_info.StepInfo`.
 """
 from __future__ import annotations
 
@@ -15,14 +13,17 @@ from typing import Any, Dict, Optional, Protocol, Sequence
 
 import mxnet as mx
 
+from .step_info import StepInfo, TrainerSide
 
-class GainView(Protocol):
-    """The optimizer as the gain pieces see it."""
 
-    batch_scale: int
-    begin_num_update: int
-    #: weakref to the Trainer of the step under way, None for Module's (or a bare Updater's)
-    _step_trainer: Any
+class StepOptimizer(Protocol):
+    """The optimizer as the Trainer binding drives it."""
+
+    param_dict: Dict[Any, Any]
+    fused: Optional[bool]
+
+    @property
+    def batch_scale(self) -> int: ...
 
     @property
     def rescale_grad(self) -> float: ...
@@ -30,18 +31,13 @@ class GainView(Protocol):
     @property
     def window_position(self) -> int: ...
 
+    def step_info(self, side: TrainerSide) -> StepInfo: ...
 
-class StepOptimizer(GainView, Protocol):
-    """The optimizer as the Trainer binding drives it."""
+    def begin_micro_batch(self, side: TrainerSide) -> None: ...
 
-    param_dict: Dict[Any, Any]
-    fused: Optional[bool]
+    def observe_micro_batch(self, side: TrainerSide, window_at_trainer: bool) -> None: ...
 
-    def begin_micro_batch(self, trainer: Any) -> None: ...
-
-    def observe_micro_batch(self, trainer: Any, window_at_trainer: bool) -> None: ...
-
-    def observe_reduction(self, trainer: Any, closes_window: bool) -> None: ...
+    def observe_reduction(self, side: TrainerSide, closes_window: bool) -> None: ...
 
     def accumulates_at_trainer(self) -> bool: ...
 

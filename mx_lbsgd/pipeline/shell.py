@@ -15,11 +15,16 @@ has its piece:
 - `plan`: what a call signature's update does (`Plan`, made once per signature);
 - `state`: the per-parameter state layout (the family's, plus an fp32 accumulator);
 - `window`: accumulation in the optimizer (`InOptimizerWindow`) or at a Trainer;
-- `apply`: a step's calls accumulated, clipped and run through their plans;
+- `step`: the values handed around: the shell's `Pieces`, the Trainer's `Step`, `Reports`;
+- `apply`: an Updater call through the gate, accumulated, clipped and run through its
+  plans (functions of the optimizer's counters, the pieces, the step and the calls);
 - `clip`: the global norm of the applied gradient (``max_grad_norm``);
-- `progress`: counters, skipped-step accounting and checkpoint progress;
+- `progress` and `views`: counters, skipped-step accounting, checkpoint progress and what
+  the properties report;
 - `protocol`: the optimizer's side of the step protocol with a gluon Trainer (`binding`);
 - `mx_lbsgd.loss_scaling`: the step gate, the scaler and the overflow reports.
+
+The shell's methods and properties are one-line delegations to those.
 
 After a skipped step ``last_overflow`` says which parameters overflowed, how, at which
 micro-batch and on which rank; ``overflow_history`` keeps the last
@@ -38,11 +43,8 @@ infers a step from attribute writes); Module and bare Updaters call
 from __future__ import annotations
 
 import os
-import weakref
-import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Counter, Deque, Dict, List, Optional, Tuple, Union
 
-import numpy as np
 import mxnet as mx
 
 from .. import _compat, _legacy
@@ -50,20 +52,16 @@ from .._checks import check_choice, check_int, check_real
 from ..families.base import KernelFamily
 from ..loss_scaling import gate as _scaling, graph as _graph_scale, overflow
 from ..loss_scaling.scaler import DynamicLossScaler
-from . import clip as _clip_piece, progress as _progress, servers as _servers, state as _state
-from . import batch_choice as _choice, lr_gain as _lr_gain
-from .apply import Call, StepApplier
-from .clip import GlobalNormClip, StepNorms
-from .plan import Plan, PlanCache
-from .protocol import StepProtocol
+from . import apply as _apply, clip as _clip_piece, progress as _progress
+from . import batch_choice as _choice, lr_gain as _lr_gain, protocol as _protocol
+from . import servers as _servers, state as _state, step as _step, views as _views
+from .plan import Plan
+from .step_info import StepInfo, TrainerSide
 from .trust_ratio import TrustRatio
-from .views import ClipViews, ProgressViews
 from .warmup import Warmup
-from .window import InOptimizerWindow
 
 
-class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
-                        ClipViews, StepProtocol, mx.optimizer.Optimizer):
+class PipelineOptimizer(mx.optimizer.Optimizer):
     """Base of mx_lbsgd's optimizers; see the module docstring. Subclasses set
     ``self._family``, ``self._warmup`` and ``self._trust`` in `_build_pieces`.
 
@@ -164,16 +162,13 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
     counts_applied_updates = False
 
     #: attributes that are rebuilt, never pickled
-    _TRANSIENT = ('_scratch', '_plans', '_gate', '_ledger', '_family', '_warmup', '_trust',
-                  '_accumulator', '_step_window', '_overflow', '_step_trainer', '_local_flags',
-                  '_module_worker', '_clip', '_norms', '_trainer_norms', '_last_norms',
-                  '_step_sum_sq', '_lr_gain')
+    _TRANSIENT = ('_pieces', '_this_step', '_reports', '_family', '_warmup', '_trust',
+                  '_module_worker', '_window_length')
 
     #: AdaScale's r is raised to this power for the lr gain (1: SGD; LAMB: 0.5)
     _gain_power = 1.0
 
     _family: KernelFamily
-    _gate: _scaling.StepGate[Call]
     _warmup: Warmup
     _trust: Optional[TrustRatio]
 
@@ -198,7 +193,8 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
             _refuse_module_kvstore_updates(type(self).__name__, lr_scaling, batch_scale,
                                            loss_scaler, max_grad_norm)
         super().__init__(multi_precision=multi_precision, **kwargs)
-        self.batch_scale, self.batch_scale_bounds = first_window, bounds
+        self._set_window_length(first_window)
+        self.batch_scale_bounds = bounds
         self.batch_scale_interval = int(batch_scale_interval)
         self.fused = _fused_from_env(fused)
         self.loss_scaler = loss_scaler
@@ -217,31 +213,24 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
             _graph_scale.serve(self.scale_key, loss_scaler)
 
     def _build_pieces(self) -> None:
-        self._scratch: Dict[Any, Any] = {}
-        self._plans = PlanCache()
-        self.__dict__.setdefault('max_grad_norm', None)    # pickled before it existed
-        self._clip = GlobalNormClip(self.max_grad_norm) if self.max_grad_norm else None
-        self._lr_gain = _lr_gain.build(self.__dict__, self._gain_power)
-        self._norms: Optional[StepNorms] = None   # this step's, by context
-        self._trainer_norms = False               # measured by begin_step (a Trainer)
-        self._last_norms: Optional[StepNorms] = None
-        self._step_sum_sq: Optional[mx.nd.NDArray] = None
-        self._gate = _scaling.StepGate(self.fused, check=self._finite_check)
-        self._ledger = _progress.SkipLedger(self.count_skipped_steps)
-        # pickled as plain values
-        self._ledger.skipped_updates = self.__dict__.pop('_skipped_updates', 0)
-        self._ledger.last_step_skipped = bool(self.__dict__.pop('last_step_skipped', False))
-        self._accumulator = InOptimizerWindow()
-        self._step_window: Optional[bool] = None   # whether this step closes a Trainer window
-        self._overflow = overflow.OverflowMonitor(
-            getattr(self, 'overflow_history_size', overflow.HISTORY_SIZE),
-            getattr(self, 'overflow_log_interval', overflow.LOG_INTERVAL),
-            getattr(self, 'overflow_alert', overflow.ALERT))
-        self._step_trainer: Optional[weakref.ref] = None   # the Trainer of this step (rank)
-        #: {micro-batch (0: the step): device flag} before the reduction
-        self._local_flags: Optional[Dict[int, mx.nd.NDArray]] = None
+        if 'batch_scale' in self.__dict__:           # unpickled: the window's length then
+            self._set_window_length(self.__dict__.pop('batch_scale'))
+        self._pieces = _step.build_pieces(self.__dict__, self._gain_power, self.fused,
+                                          self._finite_check)
+        self._this_step = _step.NO_TRAINER
+        self._reports = _step.Reports(last_lr=self.__dict__.pop('_last_lr', None))
         self.__dict__.setdefault('_module_worker', None)
         self.__dict__.setdefault('check_local_overflow', False)    # pickled before it existed
+
+    def _set_window_length(self, length: int) -> None:
+        """The one writer of the fixed window length (``batch_scale='auto'``: the first)."""
+        self._window_length = length
+
+    @property
+    def batch_scale(self) -> int:
+        """Micro-batches per update, the window length: the constructor's, or with
+        ``batch_scale='auto'`` the length its chooser took last (which owns it)."""
+        return _views.window_length(self.__dict__.get('_pieces'), self._window_length)
 
     def set_learning_rate(self, lr: float) -> None:
         """As ``mx.optimizer.Optimizer.set_learning_rate`` (what ``Trainer.set_learning_rate``
@@ -255,28 +244,15 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
         return _choice.capacity(self.batch_scale, self.__dict__.get('batch_scale_bounds'))
 
     def create_state(self, index: Any, weight: mx.nd.NDArray) -> Any:
-        if weight.dtype == np.float16 and self._window_capacity() > 1:
-            raise ValueError('windows of up to batch_scale=%d with float16 weights need '
-                             'multi_precision=True: the float32 accumulated gradient updates '
-                             'the float32 master copy' % self._window_capacity())
-        return self._make_state(index, weight, weight.dtype, None)
+        return _state.create_plain(self._family, weight, capacity=self._window_capacity(),
+                                   sparse=_state.sparse_gradient(self.param_dict, index))
 
     def create_state_multi_precision(self, index: Any, weight: mx.nd.NDArray) -> Any:
-        self._gate.created((weight.context, index))
+        self._pieces.gate.created((weight.context, index))
         if _state.uses_master(weight, self.multi_precision):
-            return self._make_state(index, weight, np.float32, weight.astype(np.float32))
-        made = self.create_state(index, weight)
-        if weight.dtype == np.float16:
-            warnings.warn('Accumulating with float16 in optimizer can lead to poor accuracy '
-                          'or slow convergence. Consider multi_precision=True.')
-        return made
-
-    def _make_state(self, index: Any, weight: mx.nd.NDArray, dtype: Any,
-                    master: Optional[mx.nd.NDArray]) -> Any:
-        param = self.param_dict.get(index)
-        sparse = param is not None and _compat.grad_stype(param) == 'row_sparse'
-        return _state.make_state(self._family, weight, dtype, master, self._window_capacity(),
-                                 sparse)
+            return _state.create_master(self._family, weight, self._window_capacity(),
+                                        _state.sparse_gradient(self.param_dict, index))
+        return _state.warn_float16(weight, self.create_state(index, weight))
 
     def split_state(self, weight: mx.nd.NDArray, state: Any) -> _state.StateParts:
         """(family state, master copy or None, accumulator or None) of a state in this
@@ -287,12 +263,8 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
                                   owner=type(self).__name__)
 
     # -- update -------------------------------------------------------------------------
-    def _name(self, index: Any) -> Optional[str]:
-        if index in self.param_dict:
-            return self.param_dict[index].name
-        if not self.param_dict and not self.idx2name:
-            return None
-        return self.idx2name.get(index, str(index))
+    def _param_name(self, index: Any) -> Optional[str]:
+        return _views.param_name(self.param_dict, self.idx2name, index)
 
     def update(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
         self.update_multi_precision(index, weight, grad, state)
@@ -301,103 +273,233 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
         if not isinstance(index, (list, tuple)):
             index, weight, grad, state = [index], [weight], [grad], [state]
         self._plan(index, weight, grad, state, check_shapes=True)    # validates first
-        if self._step_window is False:
-            self._count_micro_batch(index)      # summed at the Trainer; nothing to apply yet
-            self._ledger.last_step_skipped = False
-            return
-        held = _lr_gain.held_by_gate(self._lr_gain, self)
-        if self.loss_scaler is None and not held and (self._clip is None
-                                                      or self._trainer_norms):
-            self._apply_step([(index, weight, grad, state)], unscale=1.0)
-            return
-        if isinstance(index[0], str):     # Module's kvstore updater passes parameter names
-            self.refuse_updates_on_kvstore()
-        # without a loss scaler: the gate only holds the step's calls, so that clipping
-        # measures the norm over all of them (a disabled scaler never skips)
-        self._gated_update((index, weight, grad, state), self.loss_scaler or _HOLD_ONLY)
+        _apply.update(self, self._pieces, (index, weight, grad, state))
 
-    def _gated_update(self, call: Call, scaler: DynamicLossScaler) -> None:
-        """Run a call through the loss-scale gate: the step's calls run when it is decided,
-        applied or skipped as a whole."""
-        index, weight, grad, _ = call
-        runs = self._gate.submit([(w.context, i) for i, w in zip(index, weight)], grad,
-                                 call, scaler,
-                                 1.0 if self.loss_scaler is None else self._gradient_scale())
-        window = self.batch_scale if self._step_window else 1
-        decision = self._gate.take_decision()
-        if decision is not None:
-            self._report(*decision)
-        for held, apply_ in runs:
-            self._ledger.last_step_skipped = not apply_
-            if not apply_ and window > 1:
-                _compat.count_on_device(self, held[1][0].context)
-                _progress.rewind(self, held[0], window - 1)
-        self._apply_step([held for held, apply_ in runs if apply_],
-                         unscale=_scaling.unscale_factor(self._gate.loss_scale))
-        if runs and self._gate.take_skip():
-            self.num_update = self._ledger.skipped(
-                self.num_update, 1 if self.counts_applied_updates else window)
-        if self.loss_scaler is not None:
-            _graph_scale.serve(self.scale_key, self.loss_scaler)
-
-    def _finite_check(self, grads: Sequence[mx.nd.NDArray], fused: Optional[bool]) -> bool:
-        """The gate's finite check. With clipping, when the gradients checked are the ones
-        applied, the norm's sum-of-squares pass is the check (one pass, one host read)."""
-        if self._step_sum_sq is not None:        # a sharded Trainer's, over every rank
-            self._last_norms = self._norms or self._last_norms
-            return _lr_gain.value_is_finite(self._lr_gain, self._step_sum_sq)
-        # (an lr_scaling='adascale' update's norms come along in the same read)
-        _lr_gain.module_check(self._lr_gain, self, grads,
-                              self.rescale_grad / self._gate.loss_scale)
-        if self._clip is None or not (self.batch_scale == 1 or self._step_window):
-            return _lr_gain.all_finite(self._lr_gain, grads, fused)
-        if not self._trainer_norms or self._norms is None:
-            self._norms = self._clip.measure(grads, self.rescale_grad / self._gate.loss_scale)
-        self._last_norms = self._norms
-        return _lr_gain.norms_finite(self._lr_gain, self._norms)
-
-    def _report(self, skipped: bool, grads: Sequence[mx.nd.NDArray],
-                calls: List[Call]) -> None:
-        """Keep the overflow report of a decided step (None for a finite one). Runs before
-        the skipped window's counts are rewound, so the window position is this step's."""
-        if not skipped:
-            self._overflow.finite()
-            return
-        trainer = self._step_trainer() if self._step_trainer is not None else None
-        self._overflow.report_skip(
-            scaler=self.loss_scaler, scale=self._gate.loss_scale,
-            named_grads=overflow.name_gradients(grads, calls, self._name, self.param_dict),
-            optimizer=self, trainer=trainer, fallback_worker=self._module_worker,
-            at_trainer=bool(self._step_window) and self.batch_scale > 1,
-            local_flags=self._local_flags)
-
-    def _gradient_scale(self) -> float:
-        """The loss scale this step's gradients carry: Gluon scales the loss by the
-        optimizer's scaler; a Module graph by the scaler its scale_gradient op was served
-        when backward ran (another optimizer's, right after Module.load_optimizer_states).
-        (Only with a loss_scaler.)"""
-        return _graph_scale.gradient_scale(cast(DynamicLossScaler, self.loss_scaler),
-                                           self.scale_key, gluon=bool(self.param_dict))
+    def _finite_check(self, grads: Any, fused: Optional[bool]) -> bool:
+        return _apply.finite_check(self, self._pieces, grads, fused)
 
     def _plan(self, index: List[Any], weight: List[mx.nd.NDArray], grad: List[mx.nd.NDArray],
               state: List[Any], check_shapes: bool = False) -> Plan:
         """The plan of this call signature (`plan.PlanCache`); `check_shapes` for a call
         from the Updater."""
-        return self._plans.get(index, weight, grad, state, family=self._family,
-                               trust=self._trust, fused=self.fused, name=self._name,
-                               split=self.split_state, check_shapes=check_shapes)
+        return self._pieces.plans.get(
+            index, weight, grad, state, family=self._family, trust=self._trust,
+            fused=self.fused, name=self._param_name, split=self.split_state,
+            check_shapes=check_shapes)
+
+    # -- the step protocol with a gluon Trainer (`protocol`, driven by `binding`) --------
+    @property
+    def rescale_grad(self) -> float:
+        return self._rescale_grad
+
+    @rescale_grad.setter
+    def rescale_grad(self, value: float) -> None:
+        self._rescale_grad = value
+        # gluon.Trainer.step/update set rescale_grad before they reduce or update: the one
+        # moment MXNet gives an optimizer to learn its Trainer. Binding is idempotent.
+        trainer = _compat.trainer_assigning_rescale_grad(self)
+        if trainer is not None:
+            _protocol.trainer_found(trainer)
+
+    def begin_step(self, gradients: Optional[List[mx.nd.NDArray]],
+                   closes_window: Optional[bool] = None, trainer: Any = None,
+                   local_flags: Optional[Dict[int, mx.nd.NDArray]] = None,
+                   sum_sq: Optional[mx.nd.NDArray] = None) -> None:
+        """A Trainer step starts. `gradients`: every fresh gradient of the step, on every
+        device (the loss-scale gate decides over them at once), or None when this optimizer
+        does not want them (`wants_step_gradients`). `closes_window`: None when this
+        optimizer accumulates itself; False when the Trainer summed this micro-batch
+        locally (count it, apply nothing); True when the Trainer reduced the window's
+        mean (apply it as one step). `trainer`: whose rank a report names. `local_flags`:
+        {micro-batch (0: the step): device-side finite flag taken before the reduction}.
+
+        With clipping, the norm is measured here when `gradients` are the ones the step
+        applies (reduced, and the window's mean when the Trainer closes a window); with a
+        window inside the optimizer the gate holds the step's calls and it is measured
+        over the accumulators. `sum_sq`: the sum of squares of every rank's reduced
+        gradients (`mx_lbsgd.ShardedTrainer`, whose `gradients` are this rank's shard):
+        then the finite check and the clipping norm use it."""
+        self._this_step = _protocol.begin_step(self, self._pieces, gradients, closes_window,
+                                               trainer, local_flags, sum_sq)
+
+    def step_info(self, side: TrainerSide) -> StepInfo:
+        """What a piece that watches the gradients of `side`'s Trainer is handed of this
+        micro-batch (`pipeline.step_info.StepInfo`)."""
+        return _protocol.step_info(self, side)
+
+    def begin_micro_batch(self, side: TrainerSide) -> None:
+        """A Trainer step begins, before its reduction reads the window (a window length
+        chosen by ``batch_scale='auto'`` takes effect at a window boundary)."""
+        if self._pieces.trainer_feed is not None:
+            self._pieces.trainer_feed.window_begins(self.step_info(side))
+
+    def observe_micro_batch(self, side: TrainerSide, window_at_trainer: bool) -> None:
+        """A micro-batch's gradients, before the Trainer reduces (or sums) them."""
+        if self._pieces.trainer_feed is not None:
+            self._pieces.trainer_feed.micro_batch(side.trainer, self.step_info(side),
+                                                  window_at_trainer)
+
+    def observe_reduction(self, side: TrainerSide, closes_window: bool) -> None:
+        """The Trainer reduced the gradients (`closes_window`: a window's mean)."""
+        if self._pieces.trainer_feed is not None:
+            self._pieces.trainer_feed.reduced(side.trainer, self.step_info(side),
+                                              closes_window)
+
+    def step_outside(self, applied: bool) -> None:
+        """A `LossScaling` hook decided a step of its own (this optimizer has no
+        loss_scaler): a skipped step never reaches the optimizer, so it is accounted here as
+        the optimizer's own gate accounts one of its micro-batches (``last_step_skipped``;
+        with ``count_skipped_steps`` it advances ``num_update``, so an ``lr_scheduler``)."""
+        _protocol.step_outside(self, self._pieces, applied)
+
+    def wants_local_flags(self, trainer: Any, window: bool) -> bool:
+        """Whether the Trainer should keep a device-side finite flag of this worker's
+        gradients before reducing them: per micro-batch of a window at the Trainer (to name
+        the micro-batch), per step with ``check_local_overflow`` on a distributed job."""
+        return _protocol.wants_local_flags(self, trainer, window)
+
+    def wants_step_gradients(self) -> bool:
+        """Whether `begin_step` needs the step's gradients (listing them costs a pass)."""
+        return self.loss_scaler is not None or self._pieces.clip is not None
+
+    def accumulates_at_trainer(self) -> bool:
+        """Whether a Trainer should keep this optimizer's window at its reduction."""
+        return self.batch_scale > 1
+
+    def refuse_updates_on_kvstore(self) -> None:
+        _protocol.refuse_updates_on_kvstore(type(self).__name__, self._pieces,
+                                            self.loss_scaler)
+
+    # -- reports: one-line delegations to their owners ----------------------------------
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped (an overflow with loss scaling)."""
+        return self._pieces.ledger.last_step_skipped
+
+    @property
+    def last_overflow(self) -> Optional[overflow.OverflowReport]:
+        """The `OverflowReport` of the last step if it was skipped, else None."""
+        return self._pieces.overflow.last
+
+    @property
+    def overflow_history(self) -> Deque[overflow.OverflowReport]:
+        """The last reports (a deque, oldest first)."""
+        return self._pieces.overflow.history
+
+    @property
+    def overflow_tally(self) -> Counter[str]:
+        """How many skipped steps each parameter overflowed in, as a Counter (by name)."""
+        return self._pieces.overflow.tally
+
+    @property
+    def last_grad_norm(self) -> Optional[mx.nd.NDArray]:
+        """The global L2 norm of the gradient the last update applied, before clipping.
+
+        A (1,) float32 NDArray on the first device (reading its value waits for the step;
+        keeping it does not). None without ``max_grad_norm`` or before the first update.
+        NaN or inf when that step's gradients were not finite (the update was skipped)."""
+        return _views.last_norm(self._reports, 'norm')
+
+    @property
+    def last_clip_coefficient(self) -> Optional[mx.nd.NDArray]:
+        """``min(1, max_grad_norm / (last_grad_norm + 1e-6))``, the factor the last
+        update's gradient was multiplied by (1: clipping was not active; NaN: the norm was
+        not finite and the update skipped), a (1,) float32 NDArray; None as
+        `last_grad_norm`."""
+        return _views.last_norm(self._reports, 'coefficient')
+
+    @property
+    def learning_rate(self) -> float:
+        """As MXNet's (``lr``, or the lr scheduler's rate, before per-parameter
+        multipliers and warmup), with ``lr_scaling`` at ``scale_invariant_steps``, the step
+        the scheduler sees (reading it never moves a scheduler past the run's progress);
+        the update's lr is this times ``last_gain``."""
+        return _apply.scheduled_lr(self, self._pieces.lr_gain)
+
+    @property
+    def scale_invariant_steps(self) -> Optional[float]:
+        """With ``lr_scaling``: the sum of the gains of the applied updates ('adascale':
+        AdaScale's r; 'linear'/'sqrt': S), in base-batch iterations: the step the lr
+        scheduler sees. None without."""
+        return _views.of_gain_state(self._pieces.lr_gain, 'progress')
+
+    @property
+    def last_lr(self) -> Optional[float]:
+        """The learning rate of the last update (applied or skipped), as the kernels took
+        it for a parameter without an ``lr_mult``: the schedule's rate times the warmup's
+        multiplier and, with ``lr_scaling``, the gain; a LARS trust ratio, which differs
+        per layer, not included. A host float, kept as the update is prepared: reading it
+        waits for nothing. None before the first update.
+
+        Examples
+        --------
+        >>> import mxnet as mx, mx_lbsgd
+        >>> opt = mx_lbsgd.LBSGD(learning_rate=0.1, warmup_strategy='linear',
+        ...                      warmup_epochs=1, updates_per_epoch=4, batch_scale=2)
+        >>> updater = mx.optimizer.get_updater(opt)
+        >>> for _ in range(2):                   # one window of 2 micro-batches
+        ...     updater(0, mx.nd.ones(3), mx.nd.zeros(3))
+        >>> opt.last_lr                          # 0.1 * (1 + (2 - 1) * 2 / 4)
+        0.15000000000000002
+        """
+        return self._reports.last_lr
+
+    @property
+    def last_gain(self) -> Optional[float]:
+        """With ``lr_scaling``: the lr multiplier of the last applied update (1.0 before
+        the first). None without."""
+        return _views.of_gain_state(self._pieces.lr_gain, 'last_gain')
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches counted so far, a skipped window not counted. It is the warmup
+        position, without ``begin_epoch * updates_per_epoch``."""
+        return _progress.micro_batches(self)
+
+    @property
+    def window_position(self) -> int:
+        """Micro-batches of the open accumulation window (0 at a window boundary, where
+        MXNet's own ``Trainer.save_states`` keeps every device's state)."""
+        return _views.window_position(self, self._pieces.lr_gain)
+
+    @property
+    def applied_updates(self) -> int:
+        """Updates that changed the weights, ``micro_batches // batch_scale`` (with
+        ``batch_scale='auto'``: over the window lengths taken)."""
+        return _views.applied_updates(self, self._pieces.lr_gain)
+
+    @property
+    def window_history(self) -> Optional[list]:
+        """With ``batch_scale='auto'``: [(applied updates before it, window length)] of
+        every length taken, in order. None without."""
+        return _views.window_history(self._pieces.lr_gain)
+
+    def lr_multiplier(self, position: Optional[int] = None) -> float:
+        """The warmup learning-rate multiplier at micro-batch `position` (default: the last
+        one counted, `micro_batches`); a trust ratio multiplies it per layer."""
+        return self._warmup.multiplier(self.micro_batches if position is None else position)
+
+    # -- checkpoint progress (`mx_lbsgd.checkpoint` reads and restores it) ----------------
+    def progress(self) -> Dict[str, Any]:
+        """What resuming bit for bit needs besides the per-parameter states: counters, the
+        loss-scaler state and the ``lr_scaling`` state (plain Python values)."""
+        return _views.progress(self, self._pieces)
+
+    def load_progress(self, saved: Dict[str, Any]) -> None:
+        """Resume `progress()` in place (objects that hold this optimizer's scaler keep
+        seeing the live one)."""
+        _views.load_progress(self, self._pieces, saved)
+
+    def check_progress(self, saved: Dict[str, Any]) -> None:
+        """ValueError (before anything loads) when `saved` cannot resume into this optimizer:
+        with ``batch_scale='auto'``, a run of a fixed batch_scale under way, or window
+        lengths outside this optimizer's ``batch_scale_bounds``."""
+        _views.check_progress(self, self._pieces.lr_gain, saved)
 
     # -- pickling (Trainer.save_states, kvstore servers, copies) --------------------------
     def __getstate__(self) -> Dict[str, Any]:
-        state = super().__getstate__()
-        # param_dict is not pickled; keep its names (LARS exclusions on kvstore servers)
-        state['idx2name'] = dict(self.idx2name)
-        state['idx2name'].update((i, p.name) for i, p in self.param_dict.items())
-        for transient in self._TRANSIENT:
-            state.pop(transient, None)
-        state['_skipped_updates'] = self._ledger.skipped_updates
-        state['last_step_skipped'] = self._ledger.last_step_skipped
-        return _lr_gain.pickled(self._lr_gain, state)
+        return _step.pickled(super().__getstate__(), self._TRANSIENT, self._pieces,
+                             self._reports, self.idx2name, self.param_dict, self.batch_scale)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(_legacy.upgrade_optimizer_state(state))
@@ -416,10 +518,6 @@ class PipelineOptimizer(StepApplier, overflow.OverflowViews, ProgressViews,
         by a per-tensor trust ratio (the shell: the `TrustRatio` piece's layers; `LAMB`,
         whose kernels compute the ratio: every layer its piece does not exclude)."""
         return self._trust is not None and self._trust.applies(name)
-
-
-#: the gate's scaler when there is no loss scaler: it never checks, never skips
-_HOLD_ONLY = DynamicLossScaler(enabled=False)
 
 
 def _check_mxnet_arguments(kwargs: Dict[str, Any]) -> None:

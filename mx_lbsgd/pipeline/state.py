@@ -8,12 +8,13 @@ So states written by MXNet's own optimizer load at ``batch_scale=1`` with the sa
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import warnings
+from typing import Any, Dict, NamedTuple, Optional
 
 import numpy as np
 from mxnet import nd
 
-from .. import _legacy
+from .. import _compat, _legacy
 from ..families.base import KernelFamily
 
 
@@ -66,3 +67,36 @@ def split_state(family: KernelFamily, weight: nd.NDArray, state: Any, *, batch_s
             % (weight.shape, owner, family.describe(), multi_precision, batch_scale,
                len(state) if isinstance(state, tuple) else 1, family.name))
     return StateParts(split[0], split[1], acc)
+
+
+def create_master(family: KernelFamily, weight: nd.NDArray, capacity: int,
+                  sparse: bool) -> Any:
+    """The state of a float16 `weight` with an fp32 master copy (accumulators when the
+    longest window, `capacity`, is > 1; row_sparse ones when `sparse`)."""
+    return make_state(family, weight, np.float32, weight.astype(np.float32), capacity,
+                      sparse)
+
+
+def warn_float16(weight: nd.NDArray, made: Any) -> Any:
+    """`made`, after MXNet's warning when a float16 `weight` has no master copy."""
+    if weight.dtype == np.float16:
+        warnings.warn('Accumulating with float16 in optimizer can lead to poor accuracy '
+                      'or slow convergence. Consider multi_precision=True.')
+    return made
+
+
+def create_plain(family: KernelFamily, weight: nd.NDArray, *, capacity: int,
+                 sparse: bool) -> Any:
+    """``create_state``: the state of `weight` in its own dtype."""
+    if weight.dtype == np.float16 and capacity > 1:
+        raise ValueError('windows of up to batch_scale=%d with float16 weights need '
+                         'multi_precision=True: the float32 accumulated gradient updates '
+                         'the float32 master copy' % capacity)
+    return make_state(family, weight, weight.dtype, None, capacity, sparse)
+
+
+def sparse_gradient(param_dict: Dict[Any, Any], index: Any) -> bool:
+    """Whether parameter `index` is a gluon Parameter with a row_sparse gradient (its
+    accumulator is row_sparse too)."""
+    param = param_dict.get(index)
+    return param is not None and _compat.grad_stype(param) == 'row_sparse'

@@ -25,7 +25,7 @@ refuses that before the optimizer is sent to the servers.
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Mapping, Optional, Tuple, Union
 
 from mxnet import nd
 

@@ -12,7 +12,8 @@ sparse gradients), where each parameter's micro-batch count k tells its position
 1 / B). The window's mean is the same bits as a Trainer's, so a Module
 and a gluon Trainer on one device update alike at every window length.
 
-At a gluon Trainer's reduction (`TrainerWindow`, driven by the Trainer binding), so that
+At a gluon Trainer's reduction (`mx_lbsgd.gluon.window.TrainerWindow`, driven by the
+Trainer binding), so that
 the gradients are communicated once per update: micro-batches 1..B-1 are summed locally,
 per device, into the same accumulator and not reduced; on micro-batch B the window's mean
 is written back into the gradient buffers in units of that micro-batch's rescale_grad and
@@ -36,7 +37,7 @@ inf/NaN from any micro-batch of any worker reaches every worker.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from mxnet import nd
 
@@ -92,37 +93,3 @@ def _add_all(accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
         if pick:
             _kernels.accumulate(accs=[accs[j] for j in pick], grads=[grads[j] for j in pick],
                                 first=first, rescale_grad=rescale_grad, scratch=scratch)
-
-
-class TrainerWindow:
-    """The window at a Trainer's reduction. Its state, `position` (micro-batches of the open
-    window already summed, 0 .. size-1), is read from the optimizer's micro-batch count at
-    every reduction: one source of truth, which checkpoints (MXNet's own included) restore,
-    and which a skipped window rewinds."""
-
-    def __init__(self) -> None:
-        self.position = 0
-        # the last `add`'s finite flag (check_finite), else None
-        self.flag: Optional[nd.NDArray] = None
-        self._scratch: Dict[Any, nd.NDArray] = {}
-
-    def add(self, *, accs: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
-            rescale_grad: float, size: int, position: int, check_finite: bool = False,
-            fused: Optional[bool] = None) -> bool:
-        """Take micro-batch `position + 1`. Returns True when it closes the window: the
-        window's mean is then in `grads`, ready to be reduced; otherwise it was summed into
-        `accs`. With `check_finite`, ``self.flag`` is then ``_kernels.finite_flag(grads,
-        fused)`` of the gradients as they came (a device-side (1,) array), else None."""
-        position += 1
-        if position < size:
-            self.flag = _kernels.accumulate(accs=accs, grads=grads, first=position == 1,
-                                            rescale_grad=rescale_grad, scratch=self._scratch,
-                                            check_finite=check_finite, fused=fused)
-            self.position = position
-            return False
-        self.flag = _kernels.write_mean(grads=grads, accs=accs, rescale_grad=rescale_grad,
-                                        mean_factor=1.0 / (rescale_grad * size),
-                                        scratch=self._scratch, check_finite=check_finite,
-                                        fused=fused)
-        self.position = 0
-        return True

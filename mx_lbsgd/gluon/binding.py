@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import mxnet as mx
 
 from .. import _compat, _kernels
-from .servers import refuse_sparse_gradients_on_servers
+from ..pipeline.servers import refuse_sparse_gradients_on_servers
+from ..pipeline.step_info import TrainerSide
 from .window import TrainerWindow
 
 if TYPE_CHECKING:
-    from .optimizer_view import StepOptimizer
+    from ..pipeline.optimizer_view import StepOptimizer
 
 _BINDINGS: weakref.WeakKeyDictionary[mx.gluon.Trainer, TrainerBinding] = \
     weakref.WeakKeyDictionary()
@@ -78,7 +79,8 @@ class TrainerBinding:
         self._accs: Dict[int, Tuple[Any, Optional[mx.nd.NDArray]]] = {}
         self._sparse = _compat.has_sparse_gradients(trainer)
         # read-only watchers of the gradients (GradientNoiseScale): before_reduction(trainer,
-        # opt) per micro-batch, after_reduction(trainer, opt, closes_window) per reduction
+        # info) per micro-batch, after_reduction(trainer, info, closes_window) per
+        # reduction, `info` the optimizer's StepInfo
         self.observers: List[Any] = []
         # weakref to the LossScaling hook over this Trainer (its scaler goes into
         # mx_lbsgd.checkpoint files), or None
@@ -107,10 +109,11 @@ class TrainerBinding:
         self._closes = None
         if opt is None:
             return original()
-        opt.begin_micro_batch(trainer)
+        side = self._side(trainer)
+        opt.begin_micro_batch(side)
         for observer in list(self.observers):
-            observer.before_reduction(trainer, opt)
-        opt.observe_micro_batch(trainer, self.window_at_reduction and not self._sparse
+            observer.before_reduction(trainer, opt.step_info(side))
+        opt.observe_micro_batch(side, self.window_at_reduction and not self._sparse
                                 and opt.accumulates_at_trainer())
         if _compat.trainer_updates_on_kvstore(trainer):
             opt.refuse_updates_on_kvstore()
@@ -121,7 +124,7 @@ class TrainerBinding:
             if opt.wants_local_flags(trainer, window=False):
                 self._flags = {0: _kernels.finite_flag(
                     _compat.fresh_gradients(opt.param_dict), opt.fused)}
-            return self._reduced(original, trainer, opt, False)
+            return self._reduced(original, side, opt, False)
         grads, accs = self._buffers(trainer, opt)
         position = opt.window_position
         check = opt.wants_local_flags(trainer, window=True)
@@ -133,14 +136,20 @@ class TrainerBinding:
             if position == 0 or self._flags is None:
                 self._flags = {}
             self._flags[position + 1] = self.window.flag
-        return self._reduced(original, trainer, opt, True) if self._closes else None
+        return self._reduced(original, side, opt, True) if self._closes else None
 
-    def _reduced(self, original: Callable[[], Any], trainer: mx.gluon.Trainer,
+    def _side(self, trainer: mx.gluon.Trainer) -> TrainerSide:
+        """What the optimizer's gain pieces are handed of this Trainer: its windows, and
+        the `LossScaling` hook over it."""
+        hook = None if self.loss_scaling is None else self.loss_scaling()
+        return TrainerSide(trainer, self.windows_at_reduction(), hook)
+
+    def _reduced(self, original: Callable[[], Any], side: TrainerSide,
                  opt: StepOptimizer, closes_window: bool) -> Any:
         result = original()
         for observer in self.observers:
-            observer.after_reduction(trainer, opt, closes_window)
-        opt.observe_reduction(trainer, closes_window)
+            observer.after_reduction(side.trainer, opt.step_info(side), closes_window)
+        opt.observe_reduction(side, closes_window)
         return result
 
     def _update(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
