@@ -865,8 +865,10 @@ def push_prepared(library: Any, op: int, function: Callable[..., Any],
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def _push_dtype_codes() -> dict:
-    """lib_api's dtype codes of the arrays `push_prepared` takes."""
+    """lib_api's dtype codes of the arrays `push_prepared` takes (made once: every step
+    pushes)."""
     import numpy as np
     return {np.dtype(np.float32): 0, np.dtype(np.float16): 2}
 

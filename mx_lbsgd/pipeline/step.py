@@ -99,7 +99,6 @@ def build_pieces(attributes: Dict[str, Any], gain_power: float, fused: Optional[
         accumulator=InOptimizerWindow(), plans=PlanCache(), scratch={})
 
 
-
 def pickled(state: Dict[str, Any], transient: Tuple[str, ...], pieces: Pieces,
             reports: Reports, idx2name: Dict[Any, str], param_dict: Dict[Any, Any],
             window_length: int) -> Dict[str, Any]:
