@@ -1,0 +1,71 @@
+"""`mx_lbsgd.distributed.slices`: the even slices of flat buffers, checked element by
+element against a plain numpy model of the buffer."""
+import itertools
+
+import numpy as np
+import pytest
+
+from mx_lbsgd.distributed.slices import ALIGN, slice_layouts
+
+pytestmark = pytest.mark.unit
+
+
+def _covers(layout):
+    """Rebuild each tensor from the pieces: element k of tensor i comes from exactly one
+    rank's slice, at the position the buffer puts it."""
+    buffer = np.full(layout.padded, -1, dtype=np.int64)
+    for k, (index, offset, size) in enumerate(zip(layout.order, layout.offsets,
+                                                  layout.sizes)):
+        buffer[offset:offset + size] = index * 10000 + np.arange(size)
+    for index, size in zip(layout.order, layout.sizes):
+        seen = np.zeros(size, dtype=np.int64)
+        for piece in layout.pieces_of(index):
+            part = buffer[layout.owned(piece.rank)][piece.start:piece.stop]
+            want = index * 10000 + np.arange(piece.offset, piece.offset + piece.size)
+            np.testing.assert_array_equal(part, want)
+            seen[piece.offset:piece.offset + piece.size] += 1
+        assert (seen == 1).all(), (index, seen)
+    assert (buffer[layout.total:] == -1).all()      # the padding holds no tensor
+
+
+@pytest.mark.parametrize('ranks', [1, 2, 3, 4, 7])
+@pytest.mark.parametrize('sizes', [[1], [5, 1, 1000, 3, 0, 70], [4096, 64, 2048, 32],
+                                   [1] * 9, [85000, 300, 12000, 2]])
+def test_every_element_once_in_even_slices(ranks, sizes):
+    params = [(i, n, 'float32') for i, n in enumerate(sizes)]
+    (layout,) = slice_layouts(params, ranks)
+    assert layout.padded % (ranks * ALIGN) == 0 and layout.padded >= layout.total
+    assert layout.shard * ranks == layout.padded
+    assert layout.padded - layout.total < ranks * ALIGN or layout.total == 0
+    _covers(layout)
+    for rank, pieces in enumerate(layout.pieces):
+        slots = [p.slot for p in pieces]
+        assert slots == sorted(set(slots))          # one piece per tensor, in order
+        starts = [p.start for p in pieces]
+        assert starts == sorted(starts)
+        assert all(0 <= p.start < p.stop <= layout.shard for p in pieces)
+
+
+def test_a_large_tensor_crosses_every_boundary_and_a_tiny_one_fits_in_one():
+    (layout,) = slice_layouts([(0, 2, 'float32'), (1, 3000, 'float32'), (2, 1, 'float32')],
+                              4)
+    assert [p.rank for p in layout.pieces_of(1)] == [0, 1, 2, 3]
+    assert layout.split(1) and not layout.split(0) and not layout.split(2)
+
+
+def test_dtypes_get_their_own_buffers_in_name_order():
+    layouts = slice_layouts([(3, 10, 'float32'), (0, 7, 'float16'), (1, 5, 'float32')], 2)
+    assert [(l.dtype, l.order) for l in layouts] == [('float16', (0,)),
+                                                     ('float32', (1, 3))]
+
+
+def test_every_rank_computes_the_same_layout_whatever_the_listing_order():
+    params = [(i, n, 'float32') for i, n in enumerate([17, 400, 3, 90])]
+    first = slice_layouts(params, 3)
+    for perm in itertools.permutations(params):
+        assert slice_layouts(list(perm), 3) == first
+
+
+def test_bad_ranks_are_refused():
+    with pytest.raises(ValueError, match='ranks must be an int >= 1'):
+        slice_layouts([(0, 4, 'float32')], 0)
