@@ -69,3 +69,33 @@ def test_every_rank_computes_the_same_layout_whatever_the_listing_order():
 def test_bad_ranks_are_refused():
     with pytest.raises(ValueError, match='ranks must be an int >= 1'):
         slice_layouts([(0, 4, 'float32')], 0)
+
+
+@pytest.mark.parametrize('ranks', [1, 2, 3, 4])
+def test_the_sum_of_the_ranks_vectors_is_each_tensors_norm(ranks):
+    """Partial sums of squares of each rank's pieces, placed in per-tensor vectors and
+    summed over the ranks (what one allreduce does), equal each whole tensor's sum of
+    squares; each rank then reads its pieces' tensors' values."""
+    import mxnet as mx
+    from mx_lbsgd.distributed.slices import piece_values, rank_vector
+    sizes = [5, 1, 0, 1000, 3, 70, 2]
+    rng = np.random.RandomState(0)
+    tensors = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    (layout,) = slice_layouts([(i, n, 'float32') for i, n in enumerate(sizes)], ranks)
+    buffer = np.zeros(layout.padded, np.float32)
+    for t, offset in zip(tensors, layout.offsets):
+        buffer[offset:offset + t.size] = t
+    total = None
+    for rank in range(ranks):
+        mine = buffer[layout.owned(rank)]
+        partials = mx.nd.array([float((mine[p.start:p.stop].astype(np.float64) ** 2).sum())
+                                for p in layout.pieces[rank]], dtype='float32')
+        vector = rank_vector(layout, rank, partials)
+        assert vector.shape == (layout.tensors,)
+        total = vector if total is None else total + vector
+    want = [float((t.astype(np.float64) ** 2).sum()) for t in tensors if t.size]
+    np.testing.assert_allclose(total.asnumpy(), want, rtol=1e-6)
+    for rank in range(ranks):
+        got = piece_values(layout, rank, total).asnumpy()
+        whole = total.asnumpy()
+        np.testing.assert_array_equal(got, [whole[p.slot] for p in layout.pieces[rank]])

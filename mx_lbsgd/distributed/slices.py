@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Sequence, Tuple
 
-__all__ = ['ALIGN', 'Piece', 'SliceLayout', 'slice_layouts']
+import mxnet as mx
+
+__all__ = ['ALIGN', 'Piece', 'SliceLayout', 'slice_layouts', 'rank_vector', 'piece_values']
 
 #: every slice starts at a multiple of this many elements (64 bytes of float32)
 ALIGN = 16
@@ -42,7 +44,8 @@ class Piece:
     stop: int
     #: where the piece begins in the flattened tensor
     offset: int
-    #: the tensor's entry in a per-tensor vector of its layout (`SliceLayout.slots`)
+    #: the tensor's entry in a per-tensor vector of its layout (`SliceLayout.slots`;
+    #: tensors of no elements have none)
     slot: int
 
     @property
@@ -81,6 +84,8 @@ class SliceLayout:
     shard: int
     #: each rank's pieces, in slice order
     pieces: Tuple[Tuple[Piece, ...], ...]
+    #: entries of a per-tensor vector: the tensors of one or more elements
+    tensors: int
 
     def owned(self, rank: int) -> slice:
         """Rank `rank`'s slice of the buffer."""
@@ -96,8 +101,8 @@ class SliceLayout:
         return [p for rank in self.pieces for p in rank if p.index == index]
 
     def slots(self, rank: int) -> Tuple[int, int]:
-        """[first, last + 1) of the per-tensor entries rank `rank`'s pieces fill (its
-        pieces are consecutive tensors, one piece each)."""
+        """[first, last + 1) of the per-tensor entries rank `rank`'s pieces fill: its
+        pieces are consecutive tensors, one piece each, so they fill that range."""
         mine = self.pieces[rank]
         return (mine[0].slot, mine[-1].slot + 1) if mine else (0, 0)
 
@@ -131,12 +136,39 @@ def _layout(dtype: str, params: List[Tuple[int, int]], ranks: int,
     padded = max(unit, -(-at // unit) * unit)
     shard = padded // ranks
     pieces: List[List[Piece]] = [[] for _ in range(ranks)]
-    for slot, (index, start, n) in enumerate(zip(order, offsets, sizes)):
+    slot = 0
+    for index, start, n in zip(order, offsets, sizes):
+        if not n:
+            continue
         end = start + n
-        for rank in range(start // shard, -(-end // shard)) if n else ():
+        for rank in range(start // shard, -(-end // shard)):
             lo, hi = max(start, rank * shard), min(end, (rank + 1) * shard)
             pieces[rank].append(Piece(index=index, rank=rank, start=lo - rank * shard,
                                       stop=hi - rank * shard, offset=lo - start, slot=slot))
+        slot += 1
     return SliceLayout(dtype=dtype, ranks=ranks, order=order, sizes=sizes,
                        offsets=tuple(offsets), total=at, padded=padded, shard=shard,
-                       pieces=tuple(tuple(p) for p in pieces))
+                       pieces=tuple(tuple(p) for p in pieces), tensors=slot)
+
+
+def rank_vector(layout: SliceLayout, rank: int, partials: 'mx.nd.NDArray') -> 'mx.nd.NDArray':
+    """A per-tensor vector (`SliceLayout.tensors` entries, on the device of `partials`)
+    holding `partials`, one value per piece of rank `rank` in slice order, at its pieces'
+    slots and zeros elsewhere: summed over the ranks (one allreduce), it holds every
+    tensor's value, a split tensor's as the sum of its pieces'."""
+    first, stop = layout.slots(rank)
+    parts = [partials]
+    if first:
+        parts.insert(0, mx.nd.zeros((first,), ctx=partials.context, dtype=partials.dtype))
+    if stop < layout.tensors:
+        parts.append(mx.nd.zeros((layout.tensors - stop,), ctx=partials.context,
+                                 dtype=partials.dtype))
+    return parts[0] if len(parts) == 1 else mx.nd.concat(*parts, dim=0)
+
+
+def piece_values(layout: SliceLayout, rank: int,
+                 vector: 'mx.nd.NDArray') -> 'mx.nd.NDArray':
+    """The entries of a per-tensor `vector` for rank `rank`'s pieces, in slice order (a
+    device gather: no host read)."""
+    first, stop = layout.slots(rank)
+    return vector[first:stop]
