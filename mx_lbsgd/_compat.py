@@ -618,6 +618,48 @@ class StepHookTrainer(mx.gluon.Trainer):
         raise NotImplementedError
 
 
+def horovod_reducescatter_into(tensor: mx.nd.NDArray, output: mx.nd.NDArray,
+                                name: str) -> None:
+    """Sum `tensor` over the Horovod ranks and write this rank's even part of the sum
+    (the rank-th of N equal parts of dimension 0) into `output`, a preallocated array of
+    that size (a view of a larger buffer is fine), asynchronously: MXNet's engine orders
+    every reader of `output` after it, and nothing waits on the host. `output` must stay
+    referenced until the operation has run.
+
+    Why: ``horovod.mxnet.reducescatter`` (0.28.1) allocates a one-element output, lets
+    the operation resize it, and waits for it on the host (``output.wait_to_read()``), a
+    host sync and an allocation per call. Its C function
+    ``horovod_mxnet_reducescatter_async`` writes any output whose size already fits
+    (``ResizeNd`` reallocates only a smaller one). Reduce-scatter, like allreduce and
+    allgather, builds its log line before it enqueues, so it does not read the freed
+    name that 0.28.1's broadcast and alltoall read (`mx_lbsgd.distributed.collectives`)."""
+    import ctypes
+    from horovod.mxnet import mpi_ops
+    from mxnet.base import c_str, check_call
+    c_in, c_out = tensor.handle, output.handle
+    check_call(mpi_ops.MPI_MXNET_LIB_CTYPES.horovod_mxnet_reducescatter_async(
+        ctypes.byref(c_in), ctypes.byref(c_out), c_str(name), ctypes.c_int(0),
+        ctypes.c_int(mpi_ops.global_process_set.process_set_id), ctypes.c_int(1),
+        ctypes.c_int(mpi_ops.Sum), ctypes.c_double(1.0), ctypes.c_double(1.0)))
+
+
+def horovod_allgather_into(tensor: mx.nd.NDArray, output: mx.nd.NDArray, name: str) -> None:
+    """Concatenate every rank's `tensor` (equal shapes), in rank order along dimension 0,
+    into `output`, a preallocated array of N times its size, asynchronously (as
+    `horovod_reducescatter_into`). `tensor` must not share storage with `output`.
+
+    Why: ``horovod.mxnet.allgather`` (0.28.1) allocates its output and waits for it on
+    the host; its C function ``horovod_mxnet_allgather_async`` writes any output that
+    already has the size."""
+    import ctypes
+    from horovod.mxnet import mpi_ops
+    from mxnet.base import c_str, check_call
+    c_in, c_out = tensor.handle, output.handle
+    check_call(mpi_ops.MPI_MXNET_LIB_CTYPES.horovod_mxnet_allgather_async(
+        ctypes.byref(c_in), ctypes.byref(c_out), c_str(name), ctypes.c_int(0),
+        ctypes.c_int(mpi_ops.global_process_set.process_set_id), ctypes.c_int(1)))
+
+
 def set_trainer_scale(trainer: mx.gluon.Trainer, scale: float) -> None:
     """Set the factor ``Trainer.step`` divides by the batch size to get ``rescale_grad``
     (`trainer_scale` reads it).
