@@ -192,15 +192,18 @@ def scale_gradients(grads: Sequence[nd.NDArray], coefficient: nd.NDArray) -> Lis
 def lars_lrs(*, weights: Sequence[nd.NDArray], grads: Sequence[nd.NDArray],
              lrs: Sequence[float], wds: Sequence[float], keep_lr: Sequence[bool], eta: float,
              eps: float, rescale_grad: float, lars_min: float, lars_max: float,
-             grad_coefficient: Optional[nd.NDArray] = None) -> nd.NDArray:
+             grad_coefficient: Optional[nd.NDArray] = None,
+             sums: Optional[Tuple[nd.NDArray, nd.NDArray]] = None) -> nd.NDArray:
     """Per-layer learning rates ``lr * clip(eta*|w| / (|rescale_grad*g| + wd*|w| + eps))``,
     a float32 vector on the device. Layers with keep_lr[i], or a zero weight or gradient
     norm, keep ``lr``. `lrs`, `wds` and `keep_lr` are Python lists. `grad_coefficient`: a
-    (1,) device array the gradients are multiplied by (global-norm clipping).
+    (1,) device array the gradients are multiplied by (global-norm clipping). `sums`:
+    (|w|^2, |g|^2) per entry, float32 device vectors, when the layers' norms come from
+    elsewhere (the pieces of a tensor split over ranks: its whole norms), instead of
+    `weights` and `grads`.
     """
     ctx = weights[0].context
-    wss = sum_squares(weights)
-    gss = sum_squares(grads)
+    wss, gss = sums if sums is not None else (sum_squares(weights), sum_squares(grads))
     if grad_coefficient is not None:
         gss = nd.broadcast_mul(gss, nd.square(grad_coefficient))
     lr_vec = device_vector(lrs, ctx)

@@ -99,3 +99,45 @@ def test_the_sum_of_the_ranks_vectors_is_each_tensors_norm(ranks):
         got = piece_values(layout, rank, total).asnumpy()
         whole = total.asnumpy()
         np.testing.assert_array_equal(got, [whole[p.slot] for p in layout.pieces[rank]])
+
+
+@pytest.mark.parametrize('lars_max', [float('inf'), 10.0])
+def test_lars_rates_of_pieces_with_the_whole_norms_equal_the_unsplit_ones(lars_max):
+    """A tensor split over 3 ranks: the LARS rate each piece gets from the tensor's norms
+    (its pieces' partial sums, summed as the allreduce sums them) equals the unsplit
+    tensor's within 1e-6."""
+    import mxnet as mx
+    from mx_lbsgd import _kernels
+    from mx_lbsgd.distributed.slices import piece_values, rank_vector
+    rng = np.random.RandomState(1)
+    sizes = [3000, 40, 5000]
+    ws = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    gs = [(rng.standard_normal(n) * 1e-2).astype(np.float32) for n in sizes]
+    kw = dict(eta=0.001, eps=1e-9, rescale_grad=0.5, lars_min=0.0, lars_max=lars_max)
+    whole = _kernels.lars_lrs(weights=[mx.nd.array(w) for w in ws],
+                              grads=[mx.nd.array(g) for g in gs], lrs=[0.1] * 3,
+                              wds=[1e-4] * 3, keep_lr=[False] * 3, **kw).asnumpy()
+    (layout,) = slice_layouts([(i, n, 'float32') for i, n in enumerate(sizes)], 3)
+    w_buf, g_buf = np.zeros(layout.padded, np.float32), np.zeros(layout.padded, np.float32)
+    for w, g, offset in zip(ws, gs, layout.offsets):
+        w_buf[offset:offset + w.size], g_buf[offset:offset + g.size] = w, g
+    w_sum = g_sum = None
+    for rank in range(3):
+        views = [(w_buf[layout.owned(rank)][p.start:p.stop],
+                  g_buf[layout.owned(rank)][p.start:p.stop]) for p in layout.pieces[rank]]
+        w_part = _kernels.sum_squares([mx.nd.array(w) for w, _ in views])
+        g_part = _kernels.sum_squares([mx.nd.array(g) for _, g in views])
+        w_vec, g_vec = rank_vector(layout, rank, w_part), rank_vector(layout, rank, g_part)
+        w_sum = w_vec if w_sum is None else w_sum + w_vec
+        g_sum = g_vec if g_sum is None else g_sum + g_vec
+    assert all(len(layout.pieces_of(i)) > 1 for i in (0, 2))
+    for rank in range(3):
+        pieces = layout.pieces[rank]
+        views = [(mx.nd.array(w_buf[layout.owned(rank)][p.start:p.stop]),
+                  mx.nd.array(g_buf[layout.owned(rank)][p.start:p.stop])) for p in pieces]
+        rates = _kernels.lars_lrs(weights=[w for w, _ in views], grads=[g for _, g in views],
+                                  lrs=[0.1] * len(pieces), wds=[1e-4] * len(pieces),
+                                  keep_lr=[False] * len(pieces),
+                                  sums=(piece_values(layout, rank, w_sum),
+                                        piece_values(layout, rank, g_sum)), **kw).asnumpy()
+        np.testing.assert_allclose(rates, [whole[p.slot] for p in pieces], rtol=1e-6)
