@@ -141,3 +141,57 @@ def test_lars_rates_of_pieces_with_the_whole_norms_equal_the_unsplit_ones(lars_m
                                   sums=(piece_values(layout, rank, w_sum),
                                         piece_values(layout, rank, g_sum)), **kw).asnumpy()
         np.testing.assert_allclose(rates, [whole[p.slot] for p in pieces], rtol=1e-6)
+
+
+def test_lamb_in_two_phases_on_pieces_with_the_whole_norms_equals_the_unsplit_update():
+    """LAMB on a tensor split over 3 ranks: phase 1 (the direction, elementwise) on each
+    piece, |w| and |d| from the pieces' partial sums combined as one allreduce does, then
+    phase 2 on each piece with the whole tensor's norms: the weights equal the unsplit
+    update's within 1e-6."""
+    import mxnet as mx
+    from mx_lbsgd import _kernels
+    from mx_lbsgd.distributed.slices import piece_values, rank_vector
+    rng = np.random.RandomState(2)
+    sizes = [70, 5000, 9]
+    ws = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    gs = [(rng.standard_normal(n) * 1e-2).astype(np.float32) for n in sizes]
+    kw = dict(beta1=0.9, beta2=0.999, epsilon=1e-6, t=1, bias_correction=True, wd=0.01,
+              rescale_grad=1.0)
+
+    def direction(w, g):
+        return mx.nd.lamb_update_phase1(w, g, mx.nd.zeros(w.shape), mx.nd.zeros(w.shape),
+                                        **kw)
+
+    want = []
+    for w, g in zip(ws, gs):
+        w_nd = mx.nd.array(w)
+        d = direction(w_nd, mx.nd.array(g))
+        want.append(mx.nd.lamb_update_phase2(w_nd, d, mx.nd.norm(w_nd).reshape((1,)),
+                                             mx.nd.norm(d).reshape((1,)), lr=0.01).asnumpy())
+    (layout,) = slice_layouts([(i, n, 'float32') for i, n in enumerate(sizes)], 3)
+    w_buf, g_buf = np.zeros(layout.padded, np.float32), np.zeros(layout.padded, np.float32)
+    for w, g, offset in zip(ws, gs, layout.offsets):
+        w_buf[offset:offset + w.size], g_buf[offset:offset + g.size] = w, g
+    phase1, w_sum, d_sum = {}, None, None
+    for rank in range(3):
+        mine = layout.owned(rank)
+        for p in layout.pieces[rank]:
+            w = mx.nd.array(w_buf[mine][p.start:p.stop])
+            phase1[rank, p.slot] = (w, direction(w, mx.nd.array(g_buf[mine][p.start:p.stop])))
+        w_vec = rank_vector(layout, rank, _kernels.sum_squares(
+            [phase1[rank, p.slot][0] for p in layout.pieces[rank]]))
+        d_vec = rank_vector(layout, rank, _kernels.sum_squares(
+            [phase1[rank, p.slot][1] for p in layout.pieces[rank]]))
+        w_sum = w_vec if w_sum is None else w_sum + w_vec
+        d_sum = d_vec if d_sum is None else d_sum + d_vec
+    got = [np.zeros(n, np.float32) for n in sizes]
+    for rank in range(3):
+        r1 = mx.nd.sqrt(piece_values(layout, rank, w_sum))
+        r2 = mx.nd.sqrt(piece_values(layout, rank, d_sum))
+        for k, p in enumerate(layout.pieces[rank]):
+            w, d = phase1[rank, p.slot]
+            new = mx.nd.lamb_update_phase2(w, d, r1[k:k + 1], r2[k:k + 1], lr=0.01)
+            got[p.slot][p.offset:p.offset + p.size] = new.asnumpy()
+    assert len(layout.pieces_of(1)) == 3
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
