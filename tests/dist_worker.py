@@ -217,7 +217,7 @@ def _flat(state):
 
 
 def _partition(trainer):
-    return trainer.partition.by_name() if isinstance(trainer, mx_lbsgd.ShardedTrainer) else None
+    return trainer.holders() if isinstance(trainer, mx_lbsgd.ShardedTrainer) else None
 
 
 def _exchange(trainer):
@@ -228,8 +228,8 @@ def _save(cfg, net, trainer, rank):
     """`stop_at`: save the weights (rank 0) and the trainer states, for another job."""
     folder = cfg['save_dir']
     if cfg.get('die_in_save') == rank:      # this rank dies in the middle of the save:
-        # at the first broadcast of the states (collectives.broadcast_)
-        mx_lbsgd.distributed.collectives.broadcast_ = _die
+        # at the first allgather of the states
+        mx_lbsgd._compat.horovod_allgather_into = _die
     if rank == 0 and not cfg.get('die_in_save'):
         net.save_parameters(os.path.join(folder, 'net.params'))
     if isinstance(trainer, mx_lbsgd.ShardedTrainer):

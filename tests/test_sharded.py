@@ -95,25 +95,21 @@ def test_sharded_equals_distributed_trainer(tmp_path, cfg):
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
     if cfg.get('inject'):
         assert record[:, 1].sum() == len(cfg['inject'])
-    # every parameter owned by one rank; each rank holds the state of its own only
-    owners = info[0]['partition']
-    assert sorted(set(owners.values())) == [0, 1]
+    # every rank holds pieces; each holds the state of its slice: an even split
+    holders = info[0]['partition']
+    assert sorted({r for ranks in holders.values() for r in ranks}) == [0, 1]
     unsharded = ref_info[0]['state_bytes'][0]
-    sizes = [int(np.prod(w.shape)) for w in ref_weights.values()]
-    largest = unsharded * max(sizes) // sum(sizes)      # the largest tensor's state
     for r in range(2):
-        assert info[r]['state_bytes'][0] <= 0.5 * unsharded + largest
+        assert info[r]['state_bytes'][0] <= 1.05 * unsharded / 2 + 8192
     assert sum(i['state_bytes'][0] for i in info) == unsharded
-    if cfg.get('reports'):       # the owner of the overflowing parameter names it
+    if cfg.get('reports'):       # the overflowing parameter is named
         reports = [[r for r in json.loads((tmp_path / 'sharded' / ('rank%d.reports.json' % k))
                                           .read_text()) if r] for k in range(2)]
         named = {n for rank in reports for r in rank for n in r['parameters']}
-        assert named == {n for n, r in owners.items() if n.endswith('dense0_bias')}
-        assert all('checked the parameters it owns' in r['note'] for rank in reports
-                   for r in rank)
+        assert named == {n for n in holders if n.endswith('dense0_bias')}
     exchange = info[0]['exchange']
-    # two in-place allreduces (Horovod 0.28.1's alltoall and broadcast read freed memory)
-    assert exchange['reduce'] == exchange['gather'] == exchange['ring_allreduce']
+    # a reduce-scatter and an allgather: one ring allreduce's bytes, less the padding
+    assert exchange['reduce'] + exchange['gather'] <= 1.05 * exchange['ring_allreduce']
 
 
 def test_four_ranks(tmp_path):
@@ -128,7 +124,7 @@ def test_four_ranks(tmp_path):
     for name, w in ref_weights.items():
         np.testing.assert_allclose(weights[name], w, rtol=1e-6, atol=1e-7, err_msg=name)
     np.testing.assert_array_equal(record, ref_record)
-    assert sorted(set(info[0]['partition'].values())) == [0, 1, 2, 3]
+    assert sorted({r for ranks in info[0]['partition'].values() for r in ranks}) == [0, 1, 2, 3]
 
 
 RESUME = hvd('lblamb', dict(SCALED, learning_rate=0.01, batch_scale=2, max_grad_norm=CLIP,
@@ -157,7 +153,7 @@ def test_resume_at_another_world_size(tmp_path, before, after):
 
 
 def test_a_rank_dying_mid_save_leaves_the_old_file(tmp_path):
-    """Rank 1 exits inside save_states (before its broadcasts): the job fails, and the
+    """Rank 1 exits inside save_states (at its first allgather): the job fails, and the
     states file an earlier save wrote is byte for byte what it was."""
     import hashlib
     code, log = run_job(dict(RESUME, stop_at=4), tmp_path)

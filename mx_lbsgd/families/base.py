@@ -34,6 +34,10 @@ FamilyState = Any
 Arrays = List[nd.NDArray]
 Masters = List[Optional[nd.NDArray]]
 Floats = List[float]
+#: Given this rank's partial sums of squares of two per-tensor quantities (two float32 device
+#: vectors, one entry per tensor of a kernel call), the whole tensors' sums over every rank
+#: (the pieces of tensors split over ranks); asynchronous, no host read.
+SliceSums = Callable[[nd.NDArray, nd.NDArray], Tuple[nd.NDArray, nd.NDArray]]
 
 
 @dataclasses.dataclass
@@ -129,6 +133,9 @@ class KernelTrust:
     lars_min: float
     lars_max: float
     keep_lr: List[bool]
+    #: (|w|^2, |g|^2) per tensor, float32 device vectors, when the norms come from elsewhere
+    #: (the pieces of a tensor split over ranks: the whole tensor's); MXNet's paths only
+    sums: Optional[Tuple[nd.NDArray, nd.NDArray]] = None
 
     def rates(self, *, weights: Arrays, grads: Arrays, lrs: Floats, wds: Floats,
               rescale_grad: float, grad_norm: Optional[GradNorm]) -> nd.NDArray:
@@ -136,7 +143,7 @@ class KernelTrust:
         return _kernels.lars_lrs(
             weights=weights, grads=grads, lrs=lrs, wds=wds, keep_lr=self.keep_lr,
             eta=self.eta, eps=self.eps, rescale_grad=rescale_grad, lars_min=self.lars_min,
-            lars_max=self.lars_max,
+            lars_max=self.lars_max, sums=self.sums,
             grad_coefficient=None if grad_norm is None else grad_norm.coefficient())
 
     def native_attrs(self) -> Dict[str, Union[int, float, str]]:
@@ -211,9 +218,14 @@ class KernelFamily(Protocol):
             states: List[FamilyState], masters: List[Optional[nd.NDArray]], lrs: List[float],
             wds: List[float], trust: Optional[KernelTrust], rescale_grad: float,
             clip_gradient: Optional[float], scratch: dict, steps: List[int],
-            ratio_applies: Optional[List[bool]], grad_norm: Optional[GradNorm]) -> None:
+            ratio_applies: Optional[List[bool]], grad_norm: Optional[GradNorm],
+            sums: Optional[SliceSums] = None) -> None:
         """Run `kernel` (one of this family's) on a group of tensors; with `grad_norm`, on
-        the gradients times its coefficient (global-norm clipping)."""
+        the gradients times its coefficient (global-norm clipping). With `sums` the tensors
+        are pieces of tensors split over ranks, `kernel` is ``single_tensor``, and the
+        family calls `sums` exactly once, with the partial sums of squares of the two
+        quantities of its per-layer ratio, to get the whole tensors' (every rank calls
+        it alike: it is one collective)."""
 
 
 class SparseKernelFamily(KernelFamily, Protocol):

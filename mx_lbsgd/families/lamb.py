@@ -51,7 +51,7 @@ from mxnet import nd
 
 from .. import _kernels, _native
 from .base import (Arrays, FamilyBase, FamilyState, Floats, GradNorm, KernelTrust, Masters,
-                   native_clip, update_kwargs)
+                   SliceSums, native_clip, update_kwargs)
 from .base import cast_down as _cast_down
 
 MAX_TENSORS_PER_KERNEL = 45    # MXNet's multi_lamb_update (MXNET_OPTIMIZER_AGGREGATION_SIZE)
@@ -69,26 +69,49 @@ def _single_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments]
                         ratio_applies: Optional[List[bool]], bounds: Dict[str, float],
                         beta1: float, beta2: float, epsilon: float, bias_correction: bool,
                         rescale_grad: float, clip_gradient: Optional[float],
-                        scratch: dict, grad_norm: Optional[GradNorm] = None) -> None:
+                        scratch: dict, grad_norm: Optional[GradNorm] = None,
+                        sums: Optional[SliceSums] = None) -> None:
+    """MXNet's two phases per tensor. With `sums` (pieces of tensors split over ranks),
+    phase 1 runs on every piece first, then ``|w|`` and ``|d|`` are the whole tensors'
+    (the pieces' partial sums of squares summed over the ranks), then phase 2."""
     if grad_norm is not None:
         grads = _kernels.scale_gradients(grads, grad_norm.coefficient())
     kwargs = update_kwargs(rescale_grad, clip_gradient, beta1=beta1, beta2=beta2,
                            epsilon=epsilon, bias_correction=bias_correction)
+    targets, directions = [], []
     for i, (w, g, (mean, var), w32) in enumerate(zip(weights, grads, states, masters)):
         target = w if w32 is None else w32
         if w32 is not None and g.dtype != w32.dtype:
             # not mp_lamb_update_phase2: in MXNet 1.9.1 it never writes the fp32 master
             # copy (measured), so the fp32 phase ops run on the master copy instead
             g = _kernels.cast_into(g, w32.dtype, scratch)
-        d = nd.lamb_update_phase1(target, g, mean, var, t=steps[i], wd=wds[i], **kwargs)
-        if ratio_applies is None or ratio_applies[i]:
-            r1, r2, phase2_bounds = target.norm(), d.norm(), bounds
-        else:        # zero norms: phase2 keeps lr (and no bound may lift r1 above 0)
-            r1 = r2 = nd.zeros((1,), ctx=w.context, dtype=d.dtype)
-            phase2_bounds = {}
-        nd.lamb_update_phase2(target, d, r1, r2, lr=lrs[i], out=target, **phase2_bounds)
-        if w32 is not None:
-            nd.Cast(w32, dtype=w.dtype, out=w)
+        targets.append(target)
+        directions.append(nd.lamb_update_phase1(target, g, mean, var, t=steps[i], wd=wds[i],
+                                                **kwargs))
+        if sums is None:
+            _lamb_phase2(w, target, directions[-1], None, lrs[i], ratio_applies, i, bounds)
+    if sums is not None:
+        w_sq, d_sq = sums(_kernels.sum_squares(targets), _kernels.sum_squares(directions))
+        norms = (nd.sqrt(w_sq), nd.sqrt(d_sq))
+        for i, (w, target, d) in enumerate(zip(weights, targets, directions)):
+            _lamb_phase2(w, target, d, norms, lrs[i], ratio_applies, i, bounds)
+
+
+def _lamb_phase2(w: nd.NDArray, target: nd.NDArray, d: nd.NDArray,
+                 norms: Optional[Tuple[nd.NDArray, nd.NDArray]], lr: float,
+                 ratio_applies: Optional[List[bool]], i: int, bounds: Dict[str, float]) -> None:
+    """Phase 2 of tensor `i` (`norms`: every tensor's |w| and |d|, else its own), then the
+    master copy `target` cast into the weight `w`."""
+    if ratio_applies is None or ratio_applies[i]:
+        r1, r2 = (target.norm(), d.norm()) if norms is None else \
+            (norms[0][i:i + 1], norms[1][i:i + 1])
+        phase2_bounds = bounds
+    else:        # zero norms: phase2 keeps lr (and no bound may lift r1 above 0)
+        r1 = r2 = nd.zeros((1,), ctx=w.context, dtype=d.dtype)
+        phase2_bounds = {}
+    nd.lamb_update_phase2(target, d, r1, r2, lr=lr, out=target, **phase2_bounds)
+    if target is not w:
+        nd.Cast(target, dtype=w.dtype, out=w)
 
 
 def _native_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments], masters: Masters,
@@ -227,11 +250,18 @@ class LAMBFamily(FamilyBase):
 
     def run(self, kernel: Callable[..., None], *, states: List[Moments], steps: List[int],
             ratio_applies: Optional[List[bool]], trust: Optional[KernelTrust],  # noqa: ARG002
-            grad_norm: Optional[GradNorm], **common: Any) -> None:
+            grad_norm: Optional[GradNorm], sums: Optional[SliceSums] = None,
+            **common: Any) -> None:
         """Run `kernel`; tensors excluded from the trust ratio take the per-tensor path
         (`ratio_applies`: LAMB's kernels hold the ratio, so `trust` is always None).
         With `grad_norm`, MXNet's operators get gradients scaled in place by its
-        coefficient; the native kernel takes it as an input."""
+        coefficient; the native kernel takes it as an input. With `sums` (pieces of split
+        tensors) every tensor takes the per-tensor path, in two phases around `sums`."""
+        if sums is not None:
+            path: Callable[..., None] = _single_tensor_lamb
+            path(bounds=self.bounds, states=states, steps=steps, ratio_applies=ratio_applies,
+                 grad_norm=grad_norm, sums=sums, **common, **self.hyper)
+            return
         if grad_norm is not None:
             if kernel is _native_lamb:
                 kernel(bounds=self.bounds, states=states, steps=steps,

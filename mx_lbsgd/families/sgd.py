@@ -41,13 +41,14 @@ ratio and loss-scale gate do not depend on it.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from mxnet import nd
 
 from .. import _kernels, _native
 from .base import (Arrays, FamilyBase, FamilyState, Floats, GradNorm, KernelTrust, Masters,
-                   native_clip, update_kwargs)
+                   SliceSums, native_clip, update_kwargs)
 from .base import cast_down as _cast_down
 
 
@@ -324,8 +325,17 @@ class SGDFamily(FamilyBase):
         return 'momentum=%g%s' % (self.momentum, ', nesterov' if self.nesterov else '')
 
     def run(self, kernel: Callable[..., None], *, states: list, steps: list,  # noqa: ARG002
-            ratio_applies: Optional[list], **common: Any) -> None:
-        """Run `kernel` (LARS reaches it as `trust`; SGD has no step count)."""
+            ratio_applies: Optional[list], sums: Optional[SliceSums] = None,
+            **common: Any) -> None:
+        """Run `kernel` (LARS reaches it as `trust`; SGD has no step count). With `sums`
+        (pieces of split tensors), the LARS norms are the whole tensors': ``|w|^2`` of the
+        master copies (else the weights) and ``|g|^2``, summed over the ranks."""
+        if sums is not None:
+            weights = [w if m is None else m for w, m in zip(common['weights'],
+                                                             common['masters'])]
+            totals = sums(_kernels.sum_squares(weights), _kernels.sum_squares(common['grads']))
+            if common['trust'] is not None:
+                common['trust'] = dataclasses.replace(common['trust'], sums=totals)
         kernel(moms=states, momentum=self.momentum, nesterov=self.nesterov, **common)
 
     def run_sparse(self, *, states: list, lrs: Floats, **common: Any) -> None:

@@ -160,11 +160,14 @@ class TrainerBinding:
                 opt.refuse_updates_on_kvstore()
             fresh = (_compat.fresh_gradients(opt.param_dict)
                      if opt.wants_step_gradients() else None)
-            # a sharded Trainer's sum of squares over every rank's shard
+            # a sharded Trainer's sum of squares over every rank's shard, and the pieces of
+            # the tensors it split over ranks
             sum_sq = getattr(trainer, 'step_sum_of_squares', lambda: None)()
+            slices = getattr(trainer, 'step_slice_norms', lambda: None)()
             opt.begin_step(fresh, self._closes, trainer=trainer,
                            local_flags=None if self._closes is False else self._flags,
-                           sum_sq=None if self._closes is False else sum_sq)
+                           sum_sq=None if self._closes is False else sum_sq,
+                           slices=None if self._closes is False else slices)
         if self._closes is not False:
             self._flags = None
         self._closes = None

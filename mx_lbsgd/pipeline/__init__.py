@@ -8,9 +8,11 @@ side is `mx_lbsgd.gluon.binding`)."""
 from .batch_choice import BatchChoice, BatchChoiceState
 from .clip import CLIP_EPS, GlobalNormClip
 from .lr_scaling import LrScaling, LrScalingState
+from .plan import SliceNorms
 from .shell import PipelineOptimizer
 from .trust_ratio import DEFAULT_LARS_EXCLUDE, TrustRatio
 from .warmup import Warmup
 
 __all__ = ['PipelineOptimizer', 'TrustRatio', 'DEFAULT_LARS_EXCLUDE', 'Warmup', 'GlobalNormClip',
-           'CLIP_EPS', 'LrScaling', 'LrScalingState', 'BatchChoice', 'BatchChoiceState']
+           'CLIP_EPS', 'LrScaling', 'LrScalingState', 'BatchChoice', 'BatchChoiceState',
+           'SliceNorms']

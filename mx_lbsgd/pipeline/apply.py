@@ -176,7 +176,8 @@ def apply_step(opt: mx.optimizer.Optimizer, pieces: Pieces, step: Step, calls: L
                  grad=r.grad, lrs=_learning_rates(opt, pieces.lr_gain, r), wds=r.wds,
                  steps=r.steps, rescale_grad=r.rescale_grad,
                  clip_gradient=opt.clip_gradient, scratch=pieces.scratch,
-                 grad_norm=None if norms is None else norms[r.weight[0].context])
+                 grad_norm=None if norms is None else norms[r.weight[0].context],
+                 index=r.index, slices=step.slices_of(r.weight[0].dtype))
     return step
 
 
@@ -222,7 +223,9 @@ def _clip_safe(opt: mx.optimizer.Optimizer, pieces: Pieces, plans: Sequence[Plan
     names the first non-finite gradient."""
     # an lr_scaling='adascale' step has read its reduced gradient's norm already
     known = None if pieces.lr_gain is None else pieces.lr_gain.known_finite()
-    if all(p.skips_on_device for p in plans) or known or \
+    # (with slices every rank reads the one global norm, and all skip or all run: a rank
+    # that ran while another skipped would wait for the other's norms' collective)
+    if all(p.skips_on_device for p in plans) and opt._this_step.slices is None or known or \
             (known is None and GlobalNormClip.all_finite(norms)):
         return True
     first = next((i for i, g in zip(index, grads)

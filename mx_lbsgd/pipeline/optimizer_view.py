@@ -48,7 +48,8 @@ class StepOptimizer(Protocol):
     def begin_step(self, gradients: Optional[Sequence[mx.nd.NDArray]],
                    closes_window: Optional[bool] = None, trainer: Any = None,
                    local_flags: Optional[Dict[int, mx.nd.NDArray]] = None,
-                   sum_sq: Optional[mx.nd.NDArray] = None) -> None: ...
+                   sum_sq: Optional[mx.nd.NDArray] = None,
+                   slices: Optional[Dict[str, Any]] = None) -> None: ...
 
     def split_state(self, weight: mx.nd.NDArray, state: Any) -> Any: ...
 

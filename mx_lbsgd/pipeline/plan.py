@@ -11,14 +11,14 @@ the group, else to its per-tensor and multi-tensor kernels by tensor size
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import mxnet as mx
 from mxnet import nd
 
 from .. import _identity, _kernels
 from ..families.base import (GradNorm, Kernel, KernelFamily, KernelTrust, Masters,
-                             SparseKernelFamily)
+                             SliceSums, SparseKernelFamily)
 from .state import StateParts
 from .trust_ratio import TrustRatio
 
@@ -39,6 +39,51 @@ class Route:
 
 
 @dataclasses.dataclass(frozen=True)
+class SliceNorms:
+    """The tensors of one dtype that a sharded Trainer split over ranks
+    (`mx_lbsgd.ShardedTrainer`): the entry of each of this rank's pieces of them in a
+    per-tensor vector, and the collective that sums such a vector over the ranks.
+
+    Every rank calls `combine` once per update of the dtype, in `run_plan`, or the Trainer
+    with zeros where this rank had none of that dtype to update (a skipped step included).
+
+    Examples
+    --------
+    >>> from mxnet import nd
+    >>> from mx_lbsgd.pipeline import SliceNorms
+    >>> slices = SliceNorms(slots={7: 1}, entries=2, combine=lambda v: v * 3)  # 3 ranks
+    >>> sums = slices.sums([7])
+    >>> w_sq, g_sq = sums(nd.array([4.0]), nd.array([1.0]))
+    >>> print(w_sq.asnumpy(), g_sq.asnumpy())
+    [12.] [3.]
+    """
+
+    #: Trainer index -> entry, for this rank's pieces of split tensors
+    slots: Mapping[int, int]
+    #: entries per quantity: the split tensors of this dtype, over every rank
+    entries: int
+    #: a (2 * entries,) float32 device vector -> its sum over the ranks (asynchronous)
+    combine: Callable[[nd.NDArray], nd.NDArray]
+
+    def sums(self, index: Sequence[int]) -> SliceSums:
+        """The `SliceSums` of a kernel call over this rank's pieces of `index`."""
+        entries = self.entries
+        slots = [self.slots[i] for i in index]
+
+        def summed(first: nd.NDArray, second: nd.NDArray) -> Tuple[nd.NDArray, nd.NDArray]:
+            ctx = first.context
+            at = nd.array([slots + [s + entries for s in slots]], ctx=ctx, dtype='int32')
+            vector = nd.scatter_nd(nd.concat(first, second, dim=0), at, shape=(2 * entries,))
+            total = self.combine(vector)
+            return (nd.take(total, at[0, :len(slots)]), nd.take(total, at[0, len(slots):]))
+        return summed
+
+    def nothing(self, ctx: mx.Context) -> None:
+        """This rank's call of `combine` when it updates no piece of a split tensor."""
+        self.combine(nd.zeros((2 * self.entries,), ctx=ctx))
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What an Updater call signature's update does (see the module docstring)."""
 
@@ -50,12 +95,14 @@ class Plan:
     keep_lr: Optional[List[bool]]     # trust-ratio exclusions (None: no trust ratio)
     lars: bool                        # whether the routes carry the trust ratio (LARS)
     routes: List[Route]
+    #: pieces of tensors split over ranks (`SliceNorms`), in two phases around one sum
+    sliced: Optional[Route] = None
 
     @property
     def skips_on_device(self) -> bool:
         """Whether every tensor goes to a compiled kernel, which skips the update on the
         device when a clipping norm is not finite (MXNet's operators cannot)."""
-        return not self.sparse and all(r.native for r in self.routes)
+        return not self.sparse and self.sliced is None and all(r.native for r in self.routes)
 
     def fits(self, state: Sequence[Any]) -> bool:
         """Whether the Updater still holds the state objects this plan was made for."""
@@ -75,11 +122,12 @@ class PlanCache:
             state: List[Any], *, family: KernelFamily, trust: Optional[TrustRatio],
             fused: Optional[bool], name: Callable[[Any], Optional[str]],
             split: Callable[[mx.nd.NDArray, Any], StateParts],
-            check_shapes: bool = False) -> Plan:
+            check_shapes: bool = False, slices: Optional[SliceNorms] = None) -> Plan:
         """The plan of this call; `name` gives a parameter's name, `split` its state's parts
         (both validate, so a bad state or name fails before anything runs); `check_shapes`:
-        refuse a gradient whose shape is not its weight's first."""
-        key = (weight[0].context, tuple(index))
+        refuse a gradient whose shape is not its weight's first; `slices`: the pieces of
+        split tensors among `index` (a sharded Trainer's)."""
+        key = (weight[0].context, tuple(index), slices is None)
         if check_shapes:
             self._check_shapes(key, index, weight, grad, name)
         plan = self._plans.get(key)
@@ -89,7 +137,9 @@ class PlanCache:
         names = [name(i) for i in index]
         plan = make_plan(family=family, trust=trust, fused=fused, names=names,
                          labels=[n or i for n, i in zip(names, index)], weight=weight,
-                         grad=grad, state=state, parts=parts)
+                         grad=grad, state=state, parts=parts,
+                         sliced=[] if slices is None else
+                         [j for j, i in enumerate(index) if i in slices.slots])
         self._plans[key] = plan
         return plan
 
@@ -115,9 +165,10 @@ class PlanCache:
 def make_plan(*, family: KernelFamily, trust: Optional[TrustRatio], fused: Optional[bool],
               names: List[Optional[str]], labels: List[Any], weight: Sequence[nd.NDArray],
               grad: Sequence[nd.NDArray], state: Sequence[Any],
-              parts: List[StateParts]) -> Plan:
+              parts: List[StateParts], sliced: Sequence[int] = ()) -> Plan:
     """The plan of one call. `names`: parameter names (None when unknown); `labels`: what
-    an error message calls each parameter."""
+    an error message calls each parameter; `sliced`: the positions of pieces of tensors
+    split over ranks (run per tensor, with the whole tensors' norms)."""
     sparse = [j for j, (w, g) in enumerate(zip(weight, grad))
               if w.stype != 'default' or g.stype != 'default']
     if sparse and not family.supports_sparse:
@@ -128,20 +179,26 @@ def make_plan(*, family: KernelFamily, trust: Optional[TrustRatio], fused: Optio
     # family's kernels hold the ratio (LAMB)
     lars = keep is not None and not all(keep) and not family.trust_in_kernel
     routes = [_route(kernel, pos, parts, keep, native, trust if lars else None)
-              for kernel, pos, native in _kernel_groups(family, fused, weight, masters, sparse)
+              for kernel, pos, native in _kernel_groups(family, fused, weight, masters,
+                                                        sorted(set(sparse) | set(sliced)))
               if pos]
+    by_piece = None
+    if sliced:
+        by_piece = _route(family.single_tensor, list(sliced), parts, keep, False,
+                          None if keep is None or family.trust_in_kernel else trust)
     return Plan(state=list(state), states=[p.family_state for p in parts], masters=masters,
                 accs=[p.accumulator for p in parts], sparse=sparse, keep_lr=keep, lars=lars,
-                routes=routes)
+                routes=routes, sliced=by_piece)
 
 
 def _kernel_groups(family: KernelFamily, fused: Optional[bool],
                    weight: Sequence[nd.NDArray], masters: Masters,
-                   sparse: List[int]) -> List[Tuple[Kernel, List[int], bool]]:
-    """(kernel, positions, native) for the dense tensors, by (dtype, master copy) group."""
+                   apart: List[int]) -> List[Tuple[Kernel, List[int], bool]]:
+    """(kernel, positions, native) for the tensors not `apart` (sparse ones, pieces of split
+    tensors), by (dtype, master copy) group."""
     groups: Dict[Tuple[Any, bool], List[int]] = {}
     for j in range(len(weight)):
-        if j not in sparse:
+        if j not in apart:
             groups.setdefault((weight[j].dtype, masters[j] is None), []).append(j)
     device_type = weight[0].context.device_type
     out: List[Tuple[Kernel, List[int], bool]] = []
@@ -171,20 +228,25 @@ def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
              weight: Sequence[nd.NDArray], grad: Sequence[nd.NDArray], lrs: List[float],
              wds: List[float], steps: List[int], rescale_grad: float,
              clip_gradient: Optional[float], scratch: dict,
-             grad_norm: Optional[GradNorm] = None) -> None:
+             grad_norm: Optional[GradNorm] = None, index: Sequence[Any] = (),
+             slices: Optional[SliceNorms] = None) -> None:
     """Run every route of `plan` (and the sparse tensors one by one), the kernels computing
     the trust ratio with the update where the route has one (`Route.trust`). With
     `grad_norm` (global-norm clipping) the gradients are applied times its coefficient:
-    the kernels fold it in, and the trust ratio sees the clipped gradient."""
+    the kernels fold it in, and the trust ratio sees the clipped gradient. With `slices`,
+    the pieces of split tensors (`Plan.sliced`, whose parameters `index` names) take their
+    whole tensors' norms from one collective, which runs even when there are none."""
+    if slices is not None:
+        route = plan.sliced
+        if route is None:
+            slices.nothing(weight[0].context)
+        else:
+            _run_route(route, family, weight, grad, lrs, wds, steps, rescale_grad,
+                       clip_gradient, scratch, grad_norm,
+                       sums=slices.sums([index[j] for j in route.positions]))
     for route in plan.routes:
-        pos = route.positions
-        route_lrs, route_wds = [lrs[j] for j in pos], [wds[j] for j in pos]
-        family.run(route.kernel, weights=[weight[j] for j in pos],
-                   grads=[grad[j] for j in pos], states=route.states,
-                   masters=route.masters, lrs=route_lrs, wds=route_wds, trust=route.trust,
-                   rescale_grad=rescale_grad, clip_gradient=clip_gradient, scratch=scratch,
-                   steps=[steps[j] for j in pos], ratio_applies=route.ratio_applies,
-                   grad_norm=grad_norm)
+        _run_route(route, family, weight, grad, lrs, wds, steps, rescale_grad,
+                   clip_gradient, scratch, grad_norm)
     if plan.sparse:
         if grad_norm is not None:
             scaled = _kernels.scale_gradients([grad[j] for j in plan.sparse],
@@ -194,6 +256,20 @@ def run_plan(plan: Plan, *, family: KernelFamily, trust: Optional[TrustRatio],
                 grad[j] = g
         _run_sparse(plan, family, trust if plan.lars else None, weight, grad, lrs, wds,
                     rescale_grad, clip_gradient)
+
+
+def _run_route(route: Route, family: KernelFamily, weight: Sequence[nd.NDArray],
+               grad: Sequence[nd.NDArray], lrs: List[float], wds: List[float],
+               steps: List[int], rescale_grad: float, clip_gradient: Optional[float],
+               scratch: dict, grad_norm: Optional[GradNorm],
+               sums: Optional[SliceSums] = None) -> None:
+    pos = route.positions
+    extra = {} if sums is None else {'sums': sums}
+    family.run(route.kernel, weights=[weight[j] for j in pos], grads=[grad[j] for j in pos],
+               states=route.states, masters=route.masters, lrs=[lrs[j] for j in pos],
+               wds=[wds[j] for j in pos], trust=route.trust, rescale_grad=rescale_grad,
+               clip_gradient=clip_gradient, scratch=scratch, steps=[steps[j] for j in pos],
+               ratio_applies=route.ratio_applies, grad_norm=grad_norm, **extra)
 
 
 def _run_sparse(plan: Plan, family: KernelFamily, trust: Optional[TrustRatio],

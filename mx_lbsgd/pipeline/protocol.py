@@ -22,6 +22,7 @@ import mxnet as mx
 from .. import _compat
 from ..loss_scaling import gate as _scaling
 from . import apply as _apply, clip as _clip_piece, lr_gain as _lr_gain, progress as _progress
+from .plan import SliceNorms
 from .step import Pieces, Step
 from .step_info import StepInfo, TrainerSide
 
@@ -47,7 +48,8 @@ def begin_step(opt: mx.optimizer.Optimizer, pieces: Pieces,
                gradients: Optional[Sequence[mx.nd.NDArray]],
                closes_window: Optional[bool], trainer: Any,
                local_flags: Optional[Dict[int, mx.nd.NDArray]],
-               sum_sq: Optional[mx.nd.NDArray]) -> Step:
+               sum_sq: Optional[mx.nd.NDArray],
+               slices: Optional[Dict[str, SliceNorms]] = None) -> Step:
     """A Trainer step starts: the `Step` it makes (the arguments are the shell's
     ``begin_step``'s, which says what they mean). With clipping, the norm is measured here
     when `gradients` are the ones the step applies."""
@@ -67,7 +69,7 @@ def begin_step(opt: mx.optimizer.Optimizer, pieces: Pieces,
     return Step(closes_window=closes_window,
                 trainer=None if trainer is None else weakref.ref(trainer),
                 local_flags=local_flags, trainer_norms=trainer_norms, sum_sq=sum_sq,
-                norms=norms)
+                norms=norms, slices=slices)
 
 
 def step_outside(opt: mx.optimizer.Optimizer, pieces: Pieces, applied: bool) -> None:

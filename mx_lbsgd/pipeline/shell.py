@@ -55,7 +55,7 @@ from ..loss_scaling.scaler import DynamicLossScaler
 from . import apply as _apply, clip as _clip_piece, progress as _progress
 from . import batch_choice as _choice, lr_gain as _lr_gain, protocol as _protocol
 from . import servers as _servers, state as _state, step as _step, views as _views
-from .plan import Plan
+from .plan import Plan, SliceNorms
 from .step_info import StepInfo, TrainerSide
 from .trust_ratio import TrustRatio
 from .warmup import Warmup
@@ -285,7 +285,7 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         return self._pieces.plans.get(
             index, weight, grad, state, family=self._family, trust=self._trust,
             fused=self.fused, name=self._param_name, split=self.split_state,
-            check_shapes=check_shapes)
+            check_shapes=check_shapes, slices=self._this_step.slices_of(weight[0].dtype))
 
     # -- the step protocol with a gluon Trainer (`protocol`, driven by `binding`) --------
     @property
@@ -304,7 +304,8 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
     def begin_step(self, gradients: Optional[List[mx.nd.NDArray]],
                    closes_window: Optional[bool] = None, trainer: Any = None,
                    local_flags: Optional[Dict[int, mx.nd.NDArray]] = None,
-                   sum_sq: Optional[mx.nd.NDArray] = None) -> None:
+                   sum_sq: Optional[mx.nd.NDArray] = None,
+                   slices: Optional[Dict[str, SliceNorms]] = None) -> None:
         """A Trainer step starts. `gradients`: every fresh gradient of the step, on every
         device (the loss-scale gate decides over them at once), or None when this optimizer
         does not want them (`wants_step_gradients`). `closes_window`: None when this
@@ -318,9 +319,10 @@ class PipelineOptimizer(mx.optimizer.Optimizer):
         window inside the optimizer the gate holds the step's calls and it is measured
         over the accumulators. `sum_sq`: the sum of squares of every rank's reduced
         gradients (`mx_lbsgd.ShardedTrainer`, whose `gradients` are this rank's shard):
-        then the finite check and the clipping norm use it."""
+        then the finite check and the clipping norm use it. `slices`: the pieces of tensors
+        it split over ranks, by dtype (`pipeline.SliceNorms`)."""
         self._this_step = _protocol.begin_step(self, self._pieces, gradients, closes_window,
-                                               trainer, local_flags, sum_sq)
+                                               trainer, local_flags, sum_sq, slices)
 
     def step_info(self, side: TrainerSide) -> StepInfo:
         """What a piece that watches the gradients of `side`'s Trainer is handed of this

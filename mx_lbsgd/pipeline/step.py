@@ -14,13 +14,14 @@ import weakref
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import mxnet as mx
+import numpy as np
 
 from ..loss_scaling import gate as _scaling, overflow
 from . import lr_gain as _lr_gain, progress as _progress
 from .clip import GlobalNormClip, StepNorms
 from .gain_feeds import ModuleFeed, TrainerFeed
 from .lr_gain import LrGain
-from .plan import PlanCache
+from .plan import PlanCache, SliceNorms
 from .window import InOptimizerWindow
 
 
@@ -59,6 +60,12 @@ class Step:
     sum_sq: Optional[mx.nd.NDArray] = None
     #: the clipping norms measured for this step, by device
     norms: Optional[StepNorms] = None
+    #: {dtype name: the pieces of tensors a sharded Trainer split over ranks}
+    slices: Optional[Dict[str, SliceNorms]] = None
+
+    def slices_of(self, dtype: Any) -> Optional[SliceNorms]:
+        """The `SliceNorms` of the weights of `dtype`, or None."""
+        return None if self.slices is None else self.slices.get(np.dtype(dtype).name)
 
     def trainer_object(self) -> Any:
         """The Trainer of this step, or None (Module, or the Trainer is gone)."""
