@@ -113,7 +113,8 @@ def _worker(args):
         out['parameters']
     exchange = [json.dumps(trainer.exchange_bytes())]
     out['exchange_per_rank'] = _gather_json(hvd, exchange[0], size)
-    out['bytes_per_rank'] = trainer.partition.bytes_per_rank()
+    out['split_tensors'] = sorted(n for n, ranks in trainer.holders().items()
+                                  if len(ranks) > 1)
     del trainer, params, grads
     if size == 2 and args.rounds:
         out['time'] = _time(args, hvd, set_gradients)

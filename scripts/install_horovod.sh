@@ -27,7 +27,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${PYTHON:-python3}"
 version=0.28.1
 patch_files=("$here/horovod-$version-enqueue-name.patch"
-             "$here/horovod-$version-lost-peer-exit.patch")
+             "$here/horovod-$version-lost-peer-exit.patch"
+             "$here/horovod-$version-ring-reducescatter.patch")
 cache="${HOROVOD_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mx_lbsgd/horovod}"
 stock="${HOROVOD_STOCK:-0}"
 source_only=""
@@ -45,7 +46,7 @@ if [ "$stock" = 1 ]; then
     local_version="" label="stock: unpatched"
 else
     local_version="mxlbsgd.sha$patch_sha"
-    label="patched: broadcast/alltoall name use-after-free, exit on a lost peer"
+    label="patched: broadcast/alltoall name use-after-free, exit on a lost peer, ring reduce-scatter"
 fi
 
 fetch_sdist() {          # pip downloads the sdist once; later runs use the cached copy

@@ -123,12 +123,30 @@ def _set_param_mults(cfg, net):
                 setattr(p, kind + '_mult', cfg['mults'][kind][short])
 
 
+class _Tiny(gluon.HybridBlock):
+    """`body`'s logits times a learned scale of one element (``tiny_scale``: a tensor with
+    fewer elements than ranks)."""
+
+    def __init__(self, body, dtype):
+        super().__init__(prefix='tiny_')
+        self.body = body
+        with self.name_scope():
+            self.scale = self.params.get('scale', shape=(1,), dtype=dtype)
+        self.scale.initialize(mx.init.Constant(1.0), ctx=mx.cpu())
+
+    def hybrid_forward(self, F, x, scale):
+        return F.broadcast_mul(self.body(x), scale)
+
+
 def _net(cfg):
-    """The digits MLP; `dtype` 'float16': float16 parameters (fp32 inside the products)."""
+    """The digits MLP; `dtype` 'float16': float16 parameters (fp32 inside the products);
+    `tiny`: times a one-element scale (`_Tiny`)."""
     if cfg.get('dtype') == 'float16':
         from digits_mlp import mlp as typed_mlp
-        return typed_mlp((64,), dtype='float16')
-    return mlp()
+        net = typed_mlp((64,), dtype='float16')
+    else:
+        net = mlp()
+    return _Tiny(net, cfg.get('dtype', 'float32')) if cfg.get('tiny') else net
 
 
 def _gluon(cfg, kv, rank, num_workers, contexts):
@@ -152,7 +170,11 @@ def _gluon(cfg, kv, rank, num_workers, contexts):
     if cfg.get('start_from'):         # a job that resumes another job's files (any size)
         first = cfg['start_from']['at']
         net.load_parameters(os.path.join(cfg['start_from']['dir'], 'net.params'), ctx=contexts)
-        trainer.load_states(os.path.join(cfg['start_from']['dir'], 'trainer.states'))
+        states = os.path.join(cfg['start_from']['dir'], 'trainer.states')
+        if isinstance(trainer, mx_lbsgd.ShardedTrainer):
+            trainer.load_states(states)
+        else:                         # a consolidated file into an unsharded Trainer
+            mx_lbsgd.checkpoint.load_states(trainer, states)
     for step in range(first, cfg['steps']):
         if resume and step == resume['at']:
             net, trainer = _resume(cfg, net, trainer, kv, rank, num_workers, contexts)

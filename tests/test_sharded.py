@@ -128,26 +128,29 @@ def test_four_ranks(tmp_path):
 
 
 RESUME = hvd('lblamb', dict(SCALED, learning_rate=0.01, batch_scale=2, max_grad_norm=CLIP,
-                            trust_exclude=True), steps=8, batch=16, sharded=True)
+                            trust_exclude=True), steps=8, batch=16, sharded=True, tiny=True)
+GLOBAL_BATCH = 48
 
 
-@pytest.mark.parametrize('before, after', [(2, 1), (1, 2), (2, 4)])
-def test_resume_at_another_world_size(tmp_path, before, after):
-    """Save at step 4 (a window boundary) at `before` ranks, resume at `after` ranks with
-    the same global batch: the weights of the uninterrupted run at `before` ranks."""
-    global_batch = RESUME['batch'] * 2
-    first = dict(RESUME, batch=global_batch // before, stop_at=4)
+@pytest.mark.parametrize('before, after, sharded', [(4, 2, True), (3, 1, True), (2, 3, True),
+                                                    (2, 2, False)],
+                         ids=['4-to-2', '3-to-1', '2-to-3', 'sharded-to-unsharded'])
+def test_resume_at_another_world_size(tmp_path, before, after, sharded):
+    """Save at step 4 (a window boundary) at `before` ranks; resume at `after` ranks with the
+    same global batch (with ``sharded`` False, on hvd.DistributedTrainer): the weights of
+    the uninterrupted run at `after` ranks."""
+    first = dict(RESUME, batch=GLOBAL_BATCH // before, stop_at=4)
     code, log = run_job(first, tmp_path / 'first', before)
     assert code == 0, log
-    second = dict(RESUME, batch=global_batch // after,
+    second = dict(RESUME, batch=GLOBAL_BATCH // after, sharded=sharded,
                   start_from={'dir': str(tmp_path / 'first'), 'at': 4})
     code, log = run_job(second, tmp_path / 'second', after, timeout=300)
     assert code == 0, log
-    whole = dict(RESUME, batch=global_batch // before)
-    code, log = run_job(whole, tmp_path / 'whole', before)
+    whole = dict(RESUME, batch=GLOBAL_BATCH // after, sharded=sharded)
+    code, log = run_job(whole, tmp_path / 'whole', after, timeout=300)
     assert code == 0, log
     weights, _, _, _ = load(tmp_path / 'second', after)
-    ref, _, _, _ = load(tmp_path / 'whole', before)
+    ref, _, _, _ = load(tmp_path / 'whole', after)
     for name, w in ref.items():
         np.testing.assert_allclose(weights[name], w, rtol=1e-6, atol=1e-7, err_msg=name)
 
