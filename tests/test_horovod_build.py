@@ -1,15 +1,18 @@
-"""The Horovod that scripts/install_horovod.sh builds carries two patches
-(docs/distributed/horovod-exit.md):
+"""The Horovod that scripts/install_horovod.sh builds carries three patches
+(docs/distributed/horovod-exit.md, docs/distributed/sharded.md):
 - scripts/horovod-0.28.1-enqueue-name.patch: EnqueueTensorBroadcast and
   EnqueueTensorAlltoall no longer read their `name` argument after the tensor is on
   Horovod's queue (Horovod 0.28.1's use-after-free under MXNet);
 - scripts/horovod-0.28.1-lost-peer-exit.patch: when the background loop fails (a peer
   lost), the process ends with status 1 instead of failing the queued collectives into
-  MXNet's engine, whose exception list has no lock.
+  MXNet's engine, whose exception list has no lock;
+- scripts/horovod-0.28.1-ring-reducescatter.patch: a reduce-scatter of one tensor on gloo
+  runs as a ring from the input into the output (0.28.1 copies the tensor and allocates
+  and zero-fills two more buffers of its size on every call).
 
 The source checks unpack the sdist that the script keeps in its cache (they skip, saying
 so, where the script has not run); the installed build is told by its version, which the
-script sets to 0.28.1+mxlbsgd.sha<sha256 of the two patch files concatenated, 10 digits>.
+script sets to 0.28.1+mxlbsgd.sha<sha256 of the patch files concatenated, 10 digits>.
 """
 import difflib
 import hashlib
@@ -26,7 +29,7 @@ pytestmark = pytest.mark.unit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'install_horovod.sh')
 PATCHES = [os.path.join(ROOT, 'scripts', 'horovod-0.28.1-%s.patch' % name)
-           for name in ('enqueue-name', 'lost-peer-exit')]
+           for name in ('enqueue-name', 'lost-peer-exit', 'ring-reducescatter')]
 CACHE = os.environ.get('HOROVOD_BUILD_CACHE') or os.path.join(
     os.environ.get('XDG_CACHE_HOME') or os.path.expanduser(os.path.join('~', '.cache')),
     'mx_lbsgd', 'horovod')
@@ -72,7 +75,8 @@ def name_read_after_enqueue(source, function):
 
 @pytest.fixture(scope='module')
 def sources(tmp_path_factory):
-    """{'stock': operations.cc as released, 'patched': as the script builds it}."""
+    """{'stock': operations.cc as released, 'patched': as the script builds it, and the
+    same of ops/gloo_operations.cc and .h as 'stock <name>', 'patched <name>'}."""
     if not os.path.exists(SDIST):
         pytest.skip('no Horovod sdist in the build cache (%s): scripts/install_horovod.sh '
                     'downloads it' % SDIST)
@@ -83,9 +87,50 @@ def sources(tmp_path_factory):
                        capture_output=True, text=True,
                        env=dict(os.environ, PYTHON=sys.executable, HOROVOD_STOCK=stock,
                                 HOROVOD_BUILD_CACHE=CACHE))
-        path = folder / 'horovod-0.28.1' / 'horovod' / 'common' / 'operations.cc'
-        found[build] = path.read_text(encoding='utf-8', errors='surrogateescape')
+        common = folder / 'horovod-0.28.1' / 'horovod' / 'common'
+        found[build] = (common / 'operations.cc').read_text(encoding='utf-8',
+                                                           errors='surrogateescape')
+        for name in ('gloo_operations.cc', 'gloo_operations.h'):
+            found['%s %s' % (build, name)] = (common / 'ops' / name).read_text(
+                encoding='utf-8', errors='surrogateescape')
     return found
+
+
+def _added_lines(stock, patched):
+    """0-based indices in `patched` of the lines the diff adds or replaces."""
+    added = []
+    for line in difflib.unified_diff(stock.split('\n'), patched.split('\n'), lineterm='',
+                                     n=0):
+        hunk = re.match(r'@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@', line)
+        if hunk:
+            start, count = int(hunk.group(1)), int(hunk.group(2) or 1)
+            added += list(range(start - 1, start - 1 + count))
+    return added
+
+
+def test_the_ring_patch_changes_only_the_reducescatter(sources):
+    """gloo_operations.cc: the lines the ring patch adds lie in the two RingReducescatter
+    definitions (bool refuses, as Reducescatter does) and in GlooReducescatter::Execute, or
+    are two includes; the header only declares RingReducescatter."""
+    patched = sources['patched gloo_operations.cc'].split('\n')
+    spans = []
+    for i, line in enumerate(patched):
+        if '::RingReducescatter(' in line or line.startswith('Status GlooReducescatter::'):
+            first = max(k for k in range(i + 1) if patched[k].startswith('template <') or
+                        patched[k].startswith('Status '))
+            spans.append((first, next(k for k in range(i, len(patched)) if patched[k] == '}')))
+    assert len(spans) == 3, spans
+    added = _added_lines(sources['stock gloo_operations.cc'], '\n'.join(patched))
+    loose = [patched[i] for i in added if not any(a - 8 <= i <= b for a, b in spans)]
+    assert added and all(line in ('', '#include <algorithm>', '#include <cstring>')
+                         or line.startswith('//') for line in loose), loose
+    header = sources['patched gloo_operations.h'].split('\n')
+    declared = [header[i].strip() for i in _added_lines(sources['stock gloo_operations.h'],
+                                                        '\n'.join(header))]
+    assert {line.split('(')[0] for line in declared if line} <= {
+        'virtual void RingReducescatter', 'void RingReducescatter',
+        'std::vector<int>& recvcounts) = 0;', 'std::vector<int>& recvcounts) override;'}, declared
+    assert sources['stock gloo_operations.cc'].count('RingReducescatter') == 0
 
 
 @pytest.mark.parametrize('function', FIXED)

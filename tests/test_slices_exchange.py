@@ -1,7 +1,7 @@
 """The even-slice exchange on Horovod (gloo, loopback): `_compat.horovod_reducescatter_into`
 gives each rank the sum of its slice, `_compat.horovod_allgather_into` puts every rank's
 slice back in rank order, both asynchronously into preallocated views, 300 times in a row,
-at 2 and 3 ranks."""
+at 2, 3 and 4 ranks; and Horovod's reducescatter of uneven parts in float16 and float64."""
 import os
 import subprocess
 import sys
@@ -33,11 +33,20 @@ for step in range(300):
     _compat.horovod_allgather_into(updated, weights, 'test.weight')
     want = 2 * (np.arange(shard * size) * sum(k + 1 for k in range(size)) + size * step)
     wrong += not np.array_equal(weights.asnumpy(), want.astype(np.float32))
+# uneven parts (the first n % size ranks get one more row), float16 and float64, through
+# Horovod's own reducescatter: the ring of the patched build for one tensor
+for dtype in ('float16', 'float64'):
+    rows = 3 * size + 1
+    x = mx.nd.arange(rows * 5, dtype=dtype).reshape((rows, 5)) * (rank + 1)
+    got = hvd.reducescatter(x, op=hvd.Sum, name='test.uneven.' + dtype).asnumpy()
+    total = np.arange(rows * 5).reshape((rows, 5)) * sum(k + 1 for k in range(size))
+    bounds = np.cumsum([0] + [rows // size + (k < rows % size) for k in range(size)])
+    wrong += not np.array_equal(got, total[bounds[rank]:bounds[rank + 1]].astype(dtype))
 print('exchange on rank %d: %d wrong' % (rank, wrong), flush=True)
 '''
 
 
-@pytest.mark.parametrize('ranks', [2, 3])
+@pytest.mark.parametrize('ranks', [2, 3, 4])
 def test_reduce_scatter_then_allgather_into_views(tmp_path, ranks):
     script = tmp_path / 'job.py'
     script.write_text(JOB)
