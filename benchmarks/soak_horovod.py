@@ -36,7 +36,7 @@ interrupted soak keeps its counts) holds the settings, the machine, the counts p
 and per job family, wall time, jobs per minute and the load average seen, with the
 command, the date, the CPU model and its vector extensions.
 ``--sharded K`` adds K runs of ``mx-lbsgd mlm --horovod --shard-states`` (12 steps, the
-sharded exchange). ``--plant-hang N`` adds N runs of the exit worker's ``stuck`` mode with a
+sharded exchange) at ``--sharded-ranks`` ranks (default 2). ``--plant-hang N`` adds N runs of the exit worker's ``stuck`` mode with a
 ``--plant-timeout`` bound, which must be caught as hangs with stacks.
 
 ``--hvd-broadcast N`` soaks a plain user script instead of the suite's jobs (`USER_SCRIPT`,
@@ -363,15 +363,16 @@ _LAST = threading.local()
 
 
 def run_job(argv, native, timeout, cwd, cores=False, rss_limit=None, plain=False,
-            horovodrun=None):
+            horovodrun=None, ranks=2):
     """(kind, seconds, exit status or None, output) of one horovodrun job (`horovodrun`,
     default the one next to ``argv[0]``, the job's interpreter). `cores`: workers may dump
     core (where kernel.core_pattern says), with MXNet's segfault handler off. `rss_limit`:
-    MB a rank may reach before the job is killed (a crash). `plain`: see `_env`.
-    Afterwards `last_job()` holds the ranks' peak memory and wall time and any stacks."""
+    MB a rank may reach before the job is killed (a crash). `plain`: see `_env`. `ranks`:
+    the job's processes. Afterwards `last_job()` holds the ranks' peak memory and wall time and any stacks."""
     start = time.monotonic()
     horovodrun = horovodrun or os.path.join(os.path.dirname(argv[0]), 'horovodrun')
-    proc = subprocess.Popen([horovodrun, '--gloo', '-np', '2', '-H', 'localhost:2'] + argv,
+    proc = subprocess.Popen([horovodrun, '--gloo', '-np', str(ranks), '-H',
+                             'localhost:%d' % ranks] + argv,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(native, cores, plain), cwd=cwd,
                             preexec_fn=_allow_cores if cores else None)
@@ -431,10 +432,10 @@ class Soak:
         self.rounds, self.skipped = set(), 0      # (rounds of builds started, units not run)
 
     # -- units: each returns [(family, name, kind, seconds, code, output, note)] ---------
-    def job(self, argv, native, tmp, timeout=None, plain=False, horovodrun=None):
+    def job(self, argv, native, tmp, timeout=None, plain=False, horovodrun=None, ranks=2):
         """run_job with the soak's settings."""
         return run_job(argv, native, timeout or self.args.timeout, tmp, self.args.cores,
-                       self.args.rss_limit, plain, horovodrun)
+                       self.args.rss_limit, plain, horovodrun, ranks)
 
     def dist(self, name, cfg, native, tmp):
         kind, sec, code, out = self.job([sys.executable, DIST_WORKER, json.dumps(cfg), tmp],
@@ -501,18 +502,20 @@ class Soak:
         return [('exit-' + mode, mode, kind, sec, code, out, note, seen)]
 
     def sharded(self, native, tmp):
-        """``mx-lbsgd mlm --horovod --shard-states``: 12 steps of the sharded exchange."""
+        """``mx-lbsgd mlm --horovod --shard-states``: 12 steps of the sharded exchange, at
+        ``--sharded-ranks`` ranks."""
         argv = [sys.executable, '-m', 'mx_lbsgd_demo', 'mlm', '--horovod', '--steps', '12',
                 '--warmup', '2', '--quiet', '--shard-states', '--out',
                 os.path.join(tmp, 'out')]
-        kind, sec, code, out = self.job(argv, native, tmp)
+        kind, sec, code, out = self.job(argv, native, tmp, ranks=self.args.sharded_ranks)
         seen = last_job()
         note = ''
         if kind == 'ok' and code != 0:
             kind, note = 'fail', 'exit %d' % code
         elif kind == 'ok' and not os.path.exists(os.path.join(tmp, 'out', 'summary.json')):
             kind, note = 'fail', 'no summary.json'
-        return [('sharded', 'mlm-shard-states', kind, sec, code, out, note, seen)]
+        return [('sharded', 'mlm-shard-states-np%d' % self.args.sharded_ranks, kind, sec,
+                 code, out, note, seen)]
 
     def planted(self, native, tmp):
         """The exit worker's ``stuck`` mode under --plant-timeout: a hang that must be
@@ -753,6 +756,8 @@ def main(argv=None):
                    help="exit worker without the package's exit drain (baseline)")
     p.add_argument('--sharded', type=int, default=0,
                    help='runs of mx-lbsgd mlm --horovod --shard-states (default 0)')
+    p.add_argument('--sharded-ranks', type=int, default=2,
+                   help='ranks of each --sharded run (default 2)')
     p.add_argument('--hvd-broadcast', type=int, default=0, metavar='N',
                    help="instead of the suite's jobs: N runs per --python of a plain user "
                         "script with Horovod's own broadcast_parameters (USER_SCRIPT)")
@@ -793,6 +798,8 @@ def main(argv=None):
                     % (name.replace('_', '-'), getattr(args, name)))
     if args.parallel < 1:
         p.error('argument --parallel: must be >= 1, got %d' % args.parallel)
+    if args.sharded_ranks < 2:
+        p.error('argument --sharded-ranks: must be >= 2, got %d' % args.sharded_ranks)
     try:
         args.python = [tuple(x.split('=', 1)) for x in args.python] or \
             [('current', sys.executable)]

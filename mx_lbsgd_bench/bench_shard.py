@@ -6,15 +6,15 @@ time per update.
   ``batch_scale=8``, a dynamic loss scaler and ``max_grad_norm=1.0``, after one window:
   ``optimizer_state_bytes()`` and ``accumulator_bytes()`` of each rank, against the
   unsharded total (every parameter's state, the sum over the ranks);
-* bytes per update (``exchange_bytes()``): what each rank sends (the allreduce of the
-  gradients, the allreduce that gathers the weights, the norm) against a ring allreduce of
-  the gradients;
+* bytes per update (``exchange_bytes()``): what each rank sends (the reduce-scatter of the
+  gradients, the allgather of the weights, the norms) against a ring allreduce of the
+  gradients;
 * time (2 ranks): float32 ``'lblamb'``, one update per step, the two trainers taking turns
   round after round in one job; a round's time is the slowest rank's, and the ratio is the
   median over rounds of sharded / unsharded.
 
     python -m mx_lbsgd_bench.bench_shard [--ranks 2 4] [--rounds 5] [--json F]
-    python -m mx_lbsgd_bench.bench_shard --paper      # the model for N = 8 .. 1024
+    python -m mx_lbsgd_bench.bench_shard --paper      # the model for N = 2 .. 1024
 
 The top level starts ``horovodrun --gloo -np N -H localhost:N`` running this module with
 ``--worker`` and collects what rank 0 writes.
@@ -41,28 +41,45 @@ BERT_LARGE_LARGEST = 30522 * 1024
 LINK_GBITS = 25.0
 
 
-def paper_model(ranks=(8, 16, 32, 64, 128, 256, 512, 1024), params=BERT_LARGE,
+def paper_model(ranks=(2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), params=BERT_LARGE,
                 largest=BERT_LARGE_LARGEST, gbits=LINK_GBITS):
     """Per rank, for LAMB with float16 weights, fp32 master copies and two fp32 moments
     (12 bytes of state a parameter) and an fp32 window accumulator (4 bytes): the state
-    unsharded and sharded (whole tensors: the owner of the largest tensor holds at least
-    its state), and the seconds per update of the exchange over `gbits` links, each
-    direction at full rate: a ring allreduce of the float16 gradients (2 (N-1)/N x 2P bytes
-    each way per rank) against the sharded exchange, two such allreduces (the gradients,
-    and the weights gathered from their owners: Horovod 0.28.1's MXNet alltoall and
-    broadcast read freed memory and are not used). Every rank moves the same, twice the
-    ring's, whichever tensors it owns."""
+    unsharded, sharded by whole tensors (the owner of the largest tensor holds at least
+    its state: the floor of that layout) and in even slices (P / N, plus at most 16
+    elements of padding), and the bytes and seconds per update of the exchange over
+    `gbits` links, each direction at full rate: a ring allreduce of the float16 gradients
+    (2 (N-1)/N x 2P bytes per rank, ``hvd.DistributedTrainer``), the whole-tensor exchange
+    (two such allreduces, the gradients and the weights gathered from their owners) and
+    the even-slice exchange (a reduce-scatter and an allgather: (N-1)/N x 2P each)."""
     rows = []
     for n in ranks:
         ring = 2 * (n - 1) / n * 2 * params
         rows.append(dict(
             ranks=n, state_unsharded_gb=12 * params / 1e9,
-            state_sharded_gb=12 * max(params / n, largest) / 1e9,
-            state_sharded_typical_gb=12 * params / n / 1e9, accumulator_gb=4 * params / 1e9,
+            state_whole_tensors_gb=12 * max(params / n, largest) / 1e9,
+            state_even_slices_gb=12 * (params / n + 16) / 1e9,
+            accumulator_gb=4 * params / 1e9,
+            ring_allreduce_gb=ring / 1e9, whole_tensors_gb=2 * ring / 1e9,
+            even_slices_gb=ring / 1e9,
             ring_allreduce_s=ring * 8 / (gbits * 1e9),
-            sharded_typical_rank_s=2 * ring * 8 / (gbits * 1e9),
-            sharded_largest_owner_s=2 * ring * 8 / (gbits * 1e9)))
+            whole_tensors_s=2 * ring * 8 / (gbits * 1e9),
+            even_slices_s=ring * 8 / (gbits * 1e9)))
     return rows
+
+
+def print_paper_model():
+    """The table of `paper_model` (markdown)."""
+    print('| ranks | state per rank: unsharded | whole tensors (largest owner) | even slices '
+          '| sent per update and rank: ring allreduce | whole tensors | even slices |')
+    print('|---|---|---|---|---|---|---|')
+    for r in paper_model():
+        print('| %d | %.2f GB | %.3f GB | %.3f GB | %.2f GB (%.3f s) | %.2f GB (%.3f s) | '
+              '%.2f GB (%.3f s) |' % (
+                  r['ranks'], r['state_unsharded_gb'], r['state_whole_tensors_gb'],
+                  r['state_even_slices_gb'], r['ring_allreduce_gb'], r['ring_allreduce_s'],
+                  r['whole_tensors_gb'], r['whole_tensors_s'], r['even_slices_gb'],
+                  r['even_slices_s']))
 
 
 def _params(shapes, dtype, ctx):
@@ -189,7 +206,7 @@ def _run(ranks, args):
 
 
 def _report(results):
-    print('| ranks | state bytes per rank | / unsharded | bound 1/N + largest | '
+    print('| ranks | state bytes per rank | / unsharded | even split 1/N | '
           'accumulator bytes per rank | sent per update / ring allreduce (mean, max rank) |')
     print('|---|---|---|---|---|---|')
     for r in results:
@@ -199,7 +216,7 @@ def _report(results):
         print('| %d | %s | %s | %.2f | %s | %.2f, %.2f |' % (
             n, ', '.join('%.0f MB' % (b / 1e6) for b in r['state_bytes_per_rank']),
             ', '.join('%.2f' % (b / total) for b in r['state_bytes_per_rank']),
-            (total / n + r['largest_tensor_state_bytes']) / total,
+            1 / n,
             ', '.join('%.0f MB' % (b / 1e6) for b in r['accumulator_bytes_per_rank']),
             statistics.mean(ratios), max(ratios)))
     for r in results:
@@ -217,7 +234,7 @@ def main(argv=None, prog='bench_shard'):
     p.add_argument('--ranks', type=number(int, 1), nargs='+', default=[2, 4])
     p.add_argument('--rounds', type=number(int, 0), default=5)
     p.add_argument('--steps', type=number(int, 1), default=3)
-    p.add_argument('--paper', action='store_true', help='print the model for N = 8..1024')
+    p.add_argument('--paper', action='store_true', help='print the model for N = 2..1024')
     p.add_argument('--json', help='write the results here')
     p.add_argument('--worker', action='store_true', help='(internal) one rank of the job')
     p.add_argument('--out', help='(internal) where the worker writes')
@@ -226,14 +243,7 @@ def main(argv=None, prog='bench_shard'):
         _worker(args)
         return 0
     if args.paper:
-        print('| ranks | state / rank unsharded (GB) | sharded: largest owner, others (GB) | '
-              'accumulator (GB) | ring allreduce (s) | sharded: others, largest owner (s) |')
-        print('|---|---|---|---|---|---|')
-        for r in paper_model():
-            print('| %d | %.2f | %.3f, %.3f | %.2f | %.3f | %.3f, %.3f |' % (
-                r['ranks'], r['state_unsharded_gb'], r['state_sharded_gb'],
-                r['state_sharded_typical_gb'], r['accumulator_gb'], r['ring_allreduce_s'],
-                r['sharded_typical_rank_s'], r['sharded_largest_owner_s']))
+        print_paper_model()
         return 0
     check_output_option(p, '--json', args.json)
     results = [_run(n, args) for n in args.ranks]

@@ -77,7 +77,6 @@ class _Buffers:
     weight_views: List[nd.NDArray]   # their weights (the parameter's own for a whole one)
     grad_views: List[nd.NDArray]     # their slices of `received`
     slices: Optional[SliceNorms] = None
-    accs: Optional[nd.NDArray] = None   # (padded,) float32 window sums, made when needed
 
     def owned(self, rank: int) -> slice:
         return self.layout.owned(rank)
@@ -227,6 +226,8 @@ class ShardedTrainer(_compat.StepHookTrainer):
         self._checked = False
         self._reduced = False
         self._combined: Set[int] = set()
+        self._accs: Dict[int, nd.NDArray] = {}
+        self._whole: frozenset = frozenset()     # tensors this rank holds whole
         if all(_compat.parameter_initialized(p) for p in _compat.trainer_params(self)):
             # check, and rebind the parameters to the flat buffers now, before any forward
             # pass (a hybridized block's cached graph then only ever sees the views)
@@ -272,6 +273,8 @@ class ShardedTrainer(_compat.StepHookTrainer):
             buf.slices = _slice_norms(layout, self.rank, names, applies,
                                       functools.partial(self._combine, k))
             self._buffers.append(buf)
+            self._whole |= {p.index for p in layout.pieces[self.rank]
+                            if p.size == layout.sizes[layout.order.index(p.index)]}
 
     # -- the exchange -----------------------------------------------------------------
     def _reduce_gradients(self) -> None:
@@ -364,20 +367,17 @@ class ShardedTrainer(_compat.StepHookTrainer):
 
     # -- windows, memory --------------------------------------------------------------
     def window_accumulator(self, index: int, weight: nd.NDArray) -> Optional[nd.NDArray]:
-        """The fp32 accumulator of parameter `index` for a window at this Trainer: a view
-        of this Trainer's per-dtype buffer (each rank sums its own micro-batches of every
-        parameter before the one exchange); with one rank, the optimizer state's."""
-        if self.size == 1:
+        """The fp32 accumulator of parameter `index` for a window at this Trainer: the
+        optimizer state's for a tensor this rank holds whole, one of this Trainer's
+        otherwise (each rank sums its own micro-batches of every parameter before the one
+        exchange)."""
+        if self.size == 1 or index in self._whole:
             state = _compat.updater_state(_compat.trainer_updaters(self)[0], index, weight)
             return self.optimizer.split_state(weight, state)[2]
-        for buf in self._buffers:
-            if index in buf.layout.order:
-                if buf.accs is None:
-                    buf.accs = nd.zeros((buf.layout.padded,), ctx=buf.weights.context,
-                                        dtype='float32')
-                start, stop = buf.layout.span(index)
-                return buf.accs[start:stop].reshape(weight.shape)
-        return None
+        acc = self._accs.get(index)
+        if acc is None:
+            acc = self._accs[index] = nd.zeros(weight.shape, weight.context, dtype='float32')
+        return acc
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: fp32 master copies, moments and
@@ -489,7 +489,7 @@ def _check_same_everywhere(trainer: ShardedTrainer) -> None:
 def _bytes_held(trainer: ShardedTrainer) -> Tuple[int, int]:
     """(optimizer state bytes, window accumulator bytes) on this rank."""
     state = 0
-    accs = sum(b.accs.size * 4 for b in trainer._buffers if b.accs is not None)
+    accs = sum(a.size * 4 for a in trainer._accs.values())
     split = getattr(trainer.optimizer, 'split_state', None)
     params = _compat.trainer_params(trainer)
     for i, held in _compat.trainer_updaters(trainer)[0].states.items():
