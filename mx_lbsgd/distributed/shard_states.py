@@ -22,6 +22,8 @@ from mxnet import nd
 
 from .slices import Piece, SliceLayout
 
+__all__ = ['arrays', 'rebuild', 'consolidate', 'pieces_of']
+
 #: (index, the piece's weight) -> a new state of it (the optimizer's
 #: ``create_state_multi_precision``)
 CreateState = Callable[[int, nd.NDArray], Any]
