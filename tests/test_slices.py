@@ -195,3 +195,65 @@ def test_lamb_in_two_phases_on_pieces_with_the_whole_norms_equals_the_unsplit_up
     assert len(layout.pieces_of(1)) == 3
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def _family_update(family, kind, w, g, sums=None):
+    """One update of `w` (a float32 numpy array) by `family`'s per-tensor kernel through
+    ``KernelFamily.run``, with `sums` (pieces of a split tensor) or without; the weights."""
+    import mxnet as mx
+    from mx_lbsgd.families import KernelTrust
+    weight, grad = mx.nd.array(w), mx.nd.array(g)
+    state = family.make_state(weight, np.float32, None)
+    trust = (KernelTrust(eta=0.001, eps=1e-9, lars_min=0.0, lars_max=float('inf'),
+                         keep_lr=[False]) if kind == 'lars' else None)
+    extra = {} if sums is None else {'sums': sums}
+    family.run(family.single_tensor, weights=[weight], grads=[grad], states=[state],
+               masters=[None], lrs=[0.1 if kind == 'lars' else 0.01], wds=[1e-4],
+               trust=trust, rescale_grad=0.5, clip_gradient=None, scratch={}, steps=[1],
+               ratio_applies=[True], grad_norm=None, **extra)
+    return weight.asnumpy()
+
+
+@pytest.mark.parametrize('kind', ['lars', 'lamb'])
+def test_the_trust_ratio_of_a_tensor_split_over_3_ranks_is_the_unsplit_one(kind):
+    """The package's path for a split tensor (`pipeline.SliceNorms` handing the kernel
+    family its `sums`, one collective between the two phases), simulated on 3 ranks in one
+    process: a first pass records each rank's vector of partial sums, the second gives
+    every rank their sum, as the allreduce does. The pieces' updated weights are the
+    unsplit update's within 1e-6: the trust ratio is the whole tensor's. With each
+    piece's own sums (no collective) they are not."""
+    from mx_lbsgd.families import LAMBFamily, SGDFamily
+    from mx_lbsgd.pipeline import SliceNorms
+    family = (SGDFamily(0.9, lazy_update=False) if kind == 'lars'
+              else LAMBFamily(0.9, 0.999, 1e-6, None, None, bias_correction=True))
+    rng = np.random.RandomState(3)
+    n = 5000
+    w = rng.standard_normal(n).astype(np.float32)
+    g = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+    want = _family_update(family, kind, w, g)
+    (layout,) = slice_layouts([(7, n, 'float32')], 3)
+    pieces = [layout.pieces[rank][0] for rank in range(3)]
+    assert [p.rank for p in pieces] == [0, 1, 2]
+
+    def pieces_update(combine_of):
+        got = np.zeros(n, np.float32)
+        for p in pieces:
+            slices = SliceNorms(slots={7: 0}, entries=1, combine=combine_of(p.rank))
+            lo, hi = p.offset, p.offset + p.size
+            got[lo:hi] = _family_update(family, kind, w[lo:hi], g[lo:hi],
+                                        sums=slices.sums([7]))
+        return got
+
+    vectors = {}
+
+    def record(rank):
+        def combine(vector):
+            vectors[rank] = vector.copy()
+            return vector
+        return combine
+
+    alone = pieces_update(record)
+    total = vectors[0] + vectors[1] + vectors[2]
+    got = pieces_update(lambda rank: lambda vector: total)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(alone, want, rtol=1e-4, atol=1e-6)
