@@ -124,29 +124,34 @@ def _set_param_mults(cfg, net):
 
 
 class _Tiny(gluon.HybridBlock):
-    """`body`'s logits times a learned scale of one element (``tiny_scale``: a tensor with
-    fewer elements than ranks)."""
+    """`body`'s logits times the mean of a learned vector of `size` elements in
+    `param_dtype` (``tiny_scale``: with one element, a tensor with fewer elements than
+    ranks; in float32 beside a float16 body, a second dtype)."""
 
-    def __init__(self, body, dtype):
+    def __init__(self, body, dtype, size=1, param_dtype=None):
         super().__init__(prefix='tiny_')
         self.body = body
+        self._dtype = dtype
         with self.name_scope():
-            self.scale = self.params.get('scale', shape=(1,), dtype=dtype)
+            self.scale = self.params.get('scale', shape=(size,), dtype=param_dtype or dtype)
         self.scale.initialize(mx.init.Constant(1.0), ctx=mx.cpu())
 
     def hybrid_forward(self, F, x, scale):
-        return F.broadcast_mul(self.body(x), scale)
+        factor = F.cast(F.mean(scale, axis=0, keepdims=True), dtype=self._dtype)
+        return F.broadcast_mul(self.body(x), factor)
 
 
 def _net(cfg):
     """The digits MLP; `dtype` 'float16': float16 parameters (fp32 inside the products);
-    `tiny`: times a one-element scale (`_Tiny`)."""
+    `tiny`: times a learned scale (`_Tiny`: `tiny_size` elements in `tiny_dtype`)."""
     if cfg.get('dtype') == 'float16':
         from digits_mlp import mlp as typed_mlp
         net = typed_mlp((64,), dtype='float16')
     else:
         net = mlp()
-    return _Tiny(net, cfg.get('dtype', 'float32')) if cfg.get('tiny') else net
+    dtype = cfg.get('dtype', 'float32')
+    return _Tiny(net, dtype, cfg.get('tiny_size', 1), cfg.get('tiny_dtype')) \
+        if cfg.get('tiny') else net
 
 
 def _gluon(cfg, kv, rank, num_workers, contexts):

@@ -38,10 +38,18 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize('ranks', [2, 3, 4])
-@pytest.mark.parametrize('name', list(CONFIGS))
+#: float16 weights and a float32 tensor of 20 elements, which at 3 ranks is split over
+#: ranks 0 and 1 while rank 2 holds no float32 element: rank 2 takes part in the float32
+#: norms' collective with zeros (`SliceNorms.nothing`)
+MIXED = hvd('lblamb', dict(SCALED, learning_rate=0.01, multi_precision=True), steps=10,
+            dtype='float16', tiny_size=20, tiny_dtype='float32')
+
+
+@pytest.mark.parametrize('ranks, name', [(r, n) for n in CONFIGS for r in (2, 3, 4)]
+                         + [(3, 'mixed-dtypes')])
 def test_even_slices_equal_the_distributed_trainer(tmp_path, name, ranks):
-    cfg = dict(CONFIGS[name], tiny=True, batch=16 if ranks < 4 else 8)
+    base = MIXED if name == 'mixed-dtypes' else CONFIGS[name]
+    cfg = dict(base, tiny=True, batch=16 if ranks < 4 else 8)
     code, log = run_job(dict(cfg, sharded=True), tmp_path / 'sharded', ranks, timeout=300)
     assert code == 0, log
     code, log = run_job(dict(cfg, memory=True), tmp_path / 'plain', ranks, timeout=300)
@@ -67,7 +75,7 @@ def test_even_slices_equal_the_distributed_trainer(tmp_path, name, ranks):
         assert record[:, 1].tolist().index(1) == 5 and record[:, 1].sum() == 1   # update 3
     holders = {n.split('_', 1)[1]: r for n, r in info[0]['partition'].items()}
     assert holders['dense0_weight'] == list(range(ranks))    # crosses every boundary
-    assert len(holders['scale']) == 1
+    assert holders['scale'] == ([0, 1] if cfg.get('tiny_size') else [holders['scale'][0]])
     unsharded = ref_info[0]['state_bytes'][0]
     assert sum(i['state_bytes'][0] for i in info) == unsharded
     for r in range(ranks):
