@@ -230,6 +230,58 @@ def test_errors_name_the_cause(tmp_path):
     assert 'REFUSED: LossScaling cannot drive a ShardedTrainer' in out
 
 
+EARLY = r"""
+import sys
+import numpy as np
+import mxnet as mx
+import horovod.mxnet as hvd
+import mx_lbsgd
+hvd.init()
+mx.random.seed(1)
+net = mx.gluon.nn.Dense(16)                 # shapes unknown until the first forward
+net.initialize(mx.init.Xavier())
+trainer = mx_lbsgd.ShardedTrainer(net.collect_params(), 'lblamb', dict(
+    learning_rate=0.01, batch_scale=2))
+x = mx.nd.array(np.random.RandomState(hvd.rank()).randn(4, 8))
+for step in range(6):
+    with mx.autograd.record():
+        loss = net(x).sum()
+    loss.backward()
+    if step == 0:
+        first = net.weight.data().asnumpy()
+    trainer.step(4)
+print('rank %d: %d updates, moved %s' % (hvd.rank(), trainer.optimizer.applied_updates,
+                                         not np.array_equal(first, net.weight.data().asnumpy())),
+      flush=True)
+other = mx.gluon.nn.Dense(16, in_units=8)
+other.initialize(mx.init.One())
+saver = mx_lbsgd.ShardedTrainer(other.collect_params(), 'lblamb', dict(learning_rate=0.01))
+saver.save_states(sys.argv[1])             # before the first update: states created
+for step in range(2):
+    with mx.autograd.record():
+        loss = other(x).sum()
+    loss.backward()
+    saver.step(4)
+print('rank %d: saved, then %d updates' % (hvd.rank(), saver.optimizer.applied_updates),
+      flush=True)
+"""
+
+
+def test_deferred_shapes_with_a_window_and_a_save_before_the_first_update(tmp_path):
+    """A ShardedTrainer made before the parameters' shapes are known trains with
+    ``batch_scale=2`` (it lays out its slices at the first step, before the window sums the
+    first micro-batch); one saved before its first update goes on training."""
+    script = tmp_path / 'early.py'
+    script.write_text(EARLY)
+    proc = horovodrun([HOROVODRUN, '--gloo', '-np', '2', '-H', 'localhost:2', sys.executable,
+                       str(script), str(tmp_path / 'early.states')],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout
+    for rank in range(2):
+        assert 'rank %d: 3 updates, moved True' % rank in proc.stdout, proc.stdout
+        assert 'rank %d: saved, then 2 updates' % rank in proc.stdout, proc.stdout
+
+
 MX_LBSGD = os.path.join(os.path.dirname(sys.executable), 'mx-lbsgd')
 
 

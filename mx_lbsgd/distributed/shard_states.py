@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterator, List, Sequence
 
+import mxnet as mx
 from mxnet import nd
 
 from .slices import Piece, SliceLayout
@@ -51,19 +52,20 @@ def rebuild(template: Any, leaves: Iterator[nd.NDArray]) -> Any:
 
 def consolidate(layouts: Sequence[SliceLayout], rank: int, states: Dict[int, Any],
                 shapes: Dict[int, tuple], piece_weight: Callable[[Piece], nd.NDArray],
-                create: CreateState, gather: Gather, name: str) -> Dict[int, Any]:
+                create: CreateState, gather: Gather, name: str,
+                ctx: mx.Context) -> Dict[int, Any]:
     """Every tensor's whole state, on rank 0 ({} elsewhere). `states`: this rank's states
     of its pieces, by Trainer index (a missing one is created first, as the Updater would
     on the first update); `shapes`: each tensor's shape; `piece_weight`: the weight array
     of one of this rank's pieces. Every rank must call it (one allgather per state array
-    of each layout, named from `name`)."""
+    of each layout, named from `name`; `ctx`: the device of this rank's buffers)."""
     whole: Dict[int, Any] = {}
     for k, layout in enumerate(layouts):
         mine = layout.pieces[rank]
         for piece in mine:
             if piece.index not in states:
                 states[piece.index] = create(piece.index, piece_weight(piece))
-        template = _template(layout, mine, states, create)
+        template = _template(layout, mine, states, create, ctx)
         gathered = []
         for c, leaf in enumerate(arrays(template)):
             part = nd.zeros((layout.shard,), ctx=leaf.context, dtype=leaf.dtype)
@@ -84,12 +86,12 @@ def consolidate(layouts: Sequence[SliceLayout], rank: int, states: Dict[int, Any
 
 
 def _template(layout: SliceLayout, mine: Sequence[Piece], states: Dict[int, Any],
-              create: CreateState) -> Any:
+              create: CreateState, ctx: mx.Context) -> Any:
     """A state of this layout's structure: one of this rank's, or a new one of one element
     when this rank holds no piece of the layout."""
     if mine:
         return states[mine[0].index]
-    return create(layout.order[0], nd.zeros((1,), dtype=layout.dtype))
+    return create(layout.order[0], nd.zeros((1,), ctx=ctx, dtype=layout.dtype))
 
 
 def pieces_of(layouts: Sequence[SliceLayout], rank: int, whole: Dict[int, Any],

@@ -34,7 +34,7 @@ which an unsharded Trainer, a single process or a ShardedTrainer at any world si
 from __future__ import annotations
 
 import dataclasses
-import functools
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -48,7 +48,8 @@ from .slices import SliceLayout, slice_layouts
 
 __all__ = ['ShardedTrainer']
 
-#: MXNet's own optimizers with a per-layer ratio (they would compute it from a piece)
+#: MXNet's own optimizers with a per-layer ratio (they would compute it from a piece; and
+#: its LBSGD with warmup_strategy='lars')
 _PER_LAYER = ('LAMB', 'LARS', 'LANS')
 
 
@@ -124,6 +125,20 @@ def _slice_norms(layout: SliceLayout, rank: int, names: Sequence[str],
                       entries=len(split), combine=combine)
 
 
+class _Combine:
+    """`ShardedTrainer._combine` of one dtype, holding the Trainer weakly (the optimizer
+    keeps it in its `Step`)."""
+
+    def __init__(self, trainer: 'weakref.ref[ShardedTrainer]', k: int) -> None:
+        self.trainer, self.k = trainer, k
+
+    def __call__(self, vector: nd.NDArray) -> nd.NDArray:
+        trainer = self.trainer()
+        if trainer is None:
+            raise RuntimeError('ShardedTrainer: the Trainer of these slices is gone')
+        return trainer._combine(self.k, vector)
+
+
 def _refuse(trainer: Any, params: Sequence[Any]) -> None:
     """What the even split cannot do, refused before anything changes."""
     sparse = [p.name for p in params if p.grad_req != 'null'
@@ -133,10 +148,13 @@ def _refuse(trainer: Any, params: Sequence[Any]) -> None:
                          'sharded exchange takes dense gradients only (use '
                          'hvd.DistributedTrainer for them)' % ', '.join(map(repr, sparse)))
     opt = trainer.optimizer
-    if type(opt).__module__.startswith('mxnet') and type(opt).__name__ in _PER_LAYER:
+    mxnet_lars = type(opt).__name__ == 'LBSGD' and getattr(opt, 'warmup_strategy', '') == 'lars'
+    if type(opt).__module__.startswith('mxnet') and (type(opt).__name__ in _PER_LAYER
+                                                     or mxnet_lars):
         raise ValueError(
-            "ShardedTrainer: MXNet's %s computes a per-layer ratio inside its kernels, and "
-            'the even slices split tensors over ranks, so it would see a piece of a layer. '
+            "ShardedTrainer: MXNet's %s computes a per-layer ratio from the arrays it is "
+            'given, and the even slices split tensors over ranks, so it would see a piece of '
+            'a layer. '
             "Use 'lblamb' (LAMB) or 'lbsgd' with warmup_strategy='lars' (LARS), whose ratios "
             'are exact across slices, or hvd.DistributedTrainer' % type(opt).__name__)
 
@@ -225,6 +243,7 @@ class ShardedTrainer(_compat.StepHookTrainer):
         self._sum_sq: Optional[nd.NDArray] = None
         self._checked = False
         self._reduced = False
+        self._reductions = 0
         self._combined: Set[int] = set()
         self._accs: Dict[int, nd.NDArray] = {}
         self._whole: frozenset = frozenset()     # tensors this rank holds whole
@@ -271,10 +290,18 @@ class ShardedTrainer(_compat.StepHookTrainer):
         for k, layout in enumerate(self.layouts):
             buf = _buffers(params, layout, self.rank)
             buf.slices = _slice_norms(layout, self.rank, names, applies,
-                                      functools.partial(self._combine, k))
+                                      _Combine(weakref.ref(self), k))
             self._buffers.append(buf)
             self._whole |= {p.index for p in layout.pieces[self.rank]
                             if p.size == layout.sizes[layout.order.index(p.index)]}
+
+    def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
+        self._prepare()        # before the window at the Trainer sums the first micro-batch
+        super().step(batch_size, ignore_stale_grad)
+
+    def allreduce_grads(self) -> None:
+        self._prepare()
+        super().allreduce_grads()
 
     # -- the exchange -----------------------------------------------------------------
     def _reduce_gradients(self) -> None:
@@ -288,14 +315,18 @@ class ShardedTrainer(_compat.StepHookTrainer):
             _compat.horovod_reducescatter_into(buf.grads, buf.received,
                                                '%s.grad.%d' % (self._hvd_prefix, k))
         self._reduced, self._combined = True, set()
+        self._reductions += 1
         if getattr(self.optimizer, 'wants_step_gradients', lambda: False)():
             self._sum_sq = self._global_sum_of_squares()
 
     def _combine(self, k: int, vector: nd.NDArray) -> nd.NDArray:
         """The sum over ranks of dtype `k`'s vector of split tensors' partial sums."""
         self._combined.add(k)
-        return self._hvd.allreduce_(vector, average=False,
-                                    name='%s.norms.%d' % (self._hvd_prefix, k))
+        # named per reduction: a rank with no piece to update sends zeros that depend on
+        # nothing, and may reach the next step's while the others finish this one (two
+        # in-flight collectives of one name are an error in Horovod)
+        return self._hvd.allreduce_(vector, average=False, name='%s.norms.%d.%d' % (
+            self._hvd_prefix, k, self._reductions))
 
     def step_slice_norms(self) -> Optional[Dict[str, SliceNorms]]:
         """{dtype name: `pipeline.SliceNorms`} of the dtypes with a split tensor that has
@@ -327,7 +358,6 @@ class ShardedTrainer(_compat.StepHookTrainer):
         """The update of ``step`` (gluon's ``_update``, through
         `_compat.StepHookTrainer`): this rank's pieces only."""
         updates = _fresh_updates(self, ignore_stale_grad)
-        before = getattr(self.optimizer, 'applied_updates', None)
         if updates:
             index, grads, weights = zip(*updates)
             _compat.trainer_updaters(self)[0](list(index), list(grads), list(weights))
@@ -337,8 +367,7 @@ class ShardedTrainer(_compat.StepHookTrainer):
             # optimizer had none of it to update (or skipped the step)
             if reduced and buf.slices is not None and k not in self._combined:
                 buf.slices.nothing(buf.received.context)
-        after = getattr(self.optimizer, 'applied_updates', None)
-        if self.size > 1 and (before is None or after != before):
+        if reduced:       # every rank, applied or skipped (a skipped step gathers the same)
             self._gather_weights()
 
     def _gather_weights(self) -> None:
@@ -411,7 +440,10 @@ class ShardedTrainer(_compat.StepHookTrainer):
         whole = shard_states.consolidate(
             self.layouts, self.rank, updater.states, {i: p.shape for i, p in enumerate(params)},
             lambda piece: _piece_weight(self, piece.index), opt.create_state_multi_precision,
-            _compat.horovod_allgather_into, '%s.state' % self._hvd_prefix)
+            _compat.horovod_allgather_into, '%s.state' % self._hvd_prefix,
+            self._buffers[0].received.context)
+        for index in updater.states:      # created for the save: as the Updater would
+            updater.states_synced.setdefault(index, True)
         counts = _fill_counts(opt, [i for i, p in enumerate(params) if p.grad_req != 'null'])
         try:
             updater.states = whole

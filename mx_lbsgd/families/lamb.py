@@ -85,11 +85,12 @@ def _single_tensor_lamb(*, weights: Arrays, grads: Arrays, states: List[Moments]
             # not mp_lamb_update_phase2: in MXNet 1.9.1 it never writes the fp32 master
             # copy (measured), so the fp32 phase ops run on the master copy instead
             g = _kernels.cast_into(g, w32.dtype, scratch)
-        targets.append(target)
-        directions.append(nd.lamb_update_phase1(target, g, mean, var, t=steps[i], wd=wds[i],
-                                                **kwargs))
+        d = nd.lamb_update_phase1(target, g, mean, var, t=steps[i], wd=wds[i], **kwargs)
         if sums is None:
-            _lamb_phase2(w, target, directions[-1], None, lrs[i], ratio_applies, i, bounds)
+            _lamb_phase2(w, target, d, None, lrs[i], ratio_applies, i, bounds)
+        else:
+            targets.append(target)
+            directions.append(d)
     if sums is not None:
         w_sq, d_sq = sums(_kernels.sum_squares(targets), _kernels.sum_squares(directions))
         norms = (nd.sqrt(w_sq), nd.sqrt(d_sq))

@@ -237,8 +237,9 @@ def _locate(*, flags: Dict[int, bool], micro_batch: Optional[int], num_workers: 
     {micro-batch (0: the step): finite?} of this worker's gradients before the reduction."""
     failed = [k for k, ok in flags.items() if not ok]
     distributed = num_workers > 1
-    notes = ['This rank checked the parameters it owns (ShardedTrainer.partition); the '
-             "others' owners name theirs."] if shard else []
+    notes = ['This rank checked its own gradients of every parameter, before the '
+             'reduce-scatter (a ShardedTrainer); a rank whose gradients were finite names '
+             'none.'] if shard else []
     # the engine sums (kvstore servers, Horovod on CPU/gloo) or averages (Horovod with
     # NCCL >= 2.10); a positive factor changes no kind or count, so the note names both
     reduced = (' reduced over %d workers (their sum, or their mean where the allreduce '
