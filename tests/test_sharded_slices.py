@@ -15,6 +15,8 @@ the order of the float16 gradient sums makes even ``hvd.DistributedTrainer`` dif
 itself run to run, so they are compared within 5e-3 (at most 1% of the weights beyond
 1e-3).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -48,6 +50,9 @@ MIXED = hvd('lblamb', dict(SCALED, learning_rate=0.01, multi_precision=True), st
 @pytest.mark.parametrize('ranks, name', [(r, n) for n in CONFIGS for r in (2, 3, 4)]
                          + [(3, 'mixed-dtypes')])
 def test_even_slices_equal_the_distributed_trainer(tmp_path, name, ranks):
+    if ranks > 2 and os.environ.get('MX_LBSGD_NATIVE') == '0':
+        pytest.skip('the 3- and 4-rank jobs run once, with the native operators (CI runs '
+                    'the Horovod jobs twice); at 2 ranks they run on MXNet\'s own too')
     base = MIXED if name == 'mixed-dtypes' else CONFIGS[name]
     cfg = dict(base, tiny=True, batch=16 if ranks < 4 else 8)
     code, log = run_job(dict(cfg, sharded=True), tmp_path / 'sharded', ranks, timeout=300)
