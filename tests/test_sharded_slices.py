@@ -10,7 +10,8 @@ The model is the digits MLP times a one-element scale (``tiny``): ``dense0_weigh
 85% of the elements and crosses every slice boundary at each size, and ``tiny_scale`` has
 fewer elements than ranks. The float32 weights agree within 1e-6; each rank holds at most
 1.05x an even split of the optimizer state plus 8 KB; the exchange sends at most 1.05x a
-ring allreduce of the gradients. Float16 weights are the same bits at 2 ranks; at 3 and 4
+ring allreduce of the gradients. Float16 weights are the same bits at 2 ranks (with the
+native operators; within 1e-3 on MXNet's own); at 3 and 4
 the order of the float16 gradient sums makes even ``hvd.DistributedTrainer`` differ from
 itself run to run, so they are compared within 5e-3 (at most 1% of the weights beyond
 1e-3).
@@ -47,6 +48,11 @@ MIXED = hvd('lblamb', dict(SCALED, learning_rate=0.01, multi_precision=True), st
             dtype='float16', tiny_size=20, tiny_dtype='float32')
 
 
+def _native_operators():
+    from mx_lbsgd import _native
+    return os.environ.get('MX_LBSGD_NATIVE') != '0' and _native.ops() is not None
+
+
 @pytest.mark.parametrize('ranks, name', [(r, n) for n in CONFIGS for r in (2, 3, 4)]
                          + [(3, 'mixed-dtypes')])
 def test_even_slices_equal_the_distributed_trainer(tmp_path, name, ranks):
@@ -72,8 +78,13 @@ def test_even_slices_equal_the_distributed_trainer(tmp_path, name, ranks):
             assert far.mean() <= 0.01, (key, far.sum())
             np.testing.assert_allclose(weights[key], w, rtol=0, atol=5e-3, err_msg=key)
             continue
-        np.testing.assert_allclose(weights[key], w, rtol=0 if fp16 else 1e-6,
-                                   atol=0 if fp16 else 1e-7, err_msg=key)
+        # float16 at 2 ranks: the same bits with the native operators, which sum every
+        # norm in double on both sides; MXNet's own multi-tensor LAMB sums the unsplit
+        # tensors' norms in float32, and a master copy's last bit may round differently
+        tolerance = (0, 0) if fp16 and _native_operators() else \
+            (1e-3, 1e-3) if fp16 else (1e-6, 1e-7)
+        np.testing.assert_allclose(weights[key], w, rtol=tolerance[0], atol=tolerance[1],
+                                   err_msg=key)
     np.testing.assert_array_equal(record, ref_record)        # scales and skips
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
     if cfg.get('inject'):
