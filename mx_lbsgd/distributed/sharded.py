@@ -159,14 +159,10 @@ def _refuse(trainer: Any, params: Sequence[Any]) -> None:
             'are exact across slices, or hvd.DistributedTrainer' % type(opt).__name__)
 
 
-def _refuse_empty_ranks(layouts: Sequence[SliceLayout], size: int) -> None:
-    for rank in range(size):
-        if not any(layout.pieces[rank] for layout in layouts):
-            raise ValueError(
-                'ShardedTrainer: the model has too few elements for %d ranks: rank %d\'s '
-                'slice (%s elements) would hold only padding. Use fewer ranks, or '
-                'hvd.DistributedTrainer for a model this small'
-                % (size, rank, ', '.join('%d %s' % (l.shard, l.dtype) for l in layouts)))
+def _has_empty_rank(layouts: Sequence[SliceLayout], size: int) -> bool:
+    """Whether some rank's slices hold only padding (a model of fewer than about
+    ``size * 16`` elements): that rank would have nothing to update."""
+    return any(not any(layout.pieces[rank] for layout in layouts) for rank in range(size))
 
 
 class ShardedTrainer(_compat.StepHookTrainer):
@@ -200,9 +196,9 @@ class ShardedTrainer(_compat.StepHookTrainer):
     RuntimeError
         Horovod is not installed with MXNet support, or ``hvd.init()`` was not called.
     ValueError
-        Sparse gradients, MXNet's own LAMB, LARS or LANS (a ratio computed inside its
-        kernels), a model too small to give every rank an element, a parameter on several
-        contexts, or (once, before the first step) parameters that differ across ranks.
+        Sparse gradients, MXNet's own LAMB, LARS, LANS or LBSGD with LARS (a ratio from
+        the arrays it is given), a parameter on several contexts, or (once, before the
+        first step) parameters that differ across ranks.
 
     Examples
     --------
@@ -243,6 +239,7 @@ class ShardedTrainer(_compat.StepHookTrainer):
         self._sum_sq: Optional[nd.NDArray] = None
         self._checked = False
         self._reduced = False
+        self._replicated = False
         self._reductions = 0
         self._combined: Set[int] = set()
         self._accs: Dict[int, nd.NDArray] = {}
@@ -270,7 +267,9 @@ class ShardedTrainer(_compat.StepHookTrainer):
     def holders(self) -> Dict[str, List[int]]:
         """{parameter name: the ranks whose slices hold a piece of it} (trained ones)."""
         params = _compat.trainer_params(self)
-        return {params[i].name: [p.rank for p in layout.pieces_of(i)]
+        self._prepare()
+        return {params[i].name: (list(range(self.size)) if self._replicated else
+                                 [p.rank for p in layout.pieces_of(i)])
                 for layout in self.layouts for i in layout.order}
 
     def _prepare(self) -> None:
@@ -284,15 +283,22 @@ class ShardedTrainer(_compat.StepHookTrainer):
             if len(p.list_ctx()) != 1:
                 raise ValueError('ShardedTrainer: parameter %r lives on %d contexts; use one '
                                  'context per rank' % (p.name, len(p.list_ctx())))
-        _refuse_empty_ranks(self.layouts, self.size)
+        layouts = self.layouts
+        # too small to split: every rank keeps and updates every state, as
+        # hvd.DistributedTrainer does (one allreduce, no gather)
+        self._replicated = _has_empty_rank(layouts, self.size)
+        if self._replicated:
+            layouts = slice_layouts([(i, l.sizes[k], l.dtype) for l in layouts
+                                     for k, i in enumerate(l.order)], 1)
         applies = getattr(self.optimizer, 'trust_ratio_applies', None)
         names = [p.name for p in params]
-        for k, layout in enumerate(self.layouts):
-            buf = _buffers(params, layout, self.rank)
-            buf.slices = _slice_norms(layout, self.rank, names, applies,
-                                      _Combine(weakref.ref(self), k))
+        for k, layout in enumerate(layouts):
+            buf = _buffers(params, layout, 0 if self._replicated else self.rank)
+            if not self._replicated:
+                buf.slices = _slice_norms(layout, self.rank, names, applies,
+                                          _Combine(weakref.ref(self), k))
             self._buffers.append(buf)
-            self._whole |= {p.index for p in layout.pieces[self.rank]
+            self._whole |= {p.index for p in layout.pieces[0 if self._replicated else self.rank]
                             if p.size == layout.sizes[layout.order.index(p.index)]}
 
     def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
@@ -312,8 +318,11 @@ class ShardedTrainer(_compat.StepHookTrainer):
         if self.size == 1:
             return
         for k, buf in enumerate(self._buffers):
-            _compat.horovod_reducescatter_into(buf.grads, buf.received,
-                                               '%s.grad.%d' % (self._hvd_prefix, k))
+            name = '%s.grad.%d' % (self._hvd_prefix, k)
+            if self._replicated:
+                self._hvd.allreduce_(buf.grads, average=False, name=name)
+            else:
+                _compat.horovod_reducescatter_into(buf.grads, buf.received, name)
         self._reduced, self._combined = True, set()
         self._reductions += 1
         if getattr(self.optimizer, 'wants_step_gradients', lambda: False)():
@@ -342,7 +351,7 @@ class ShardedTrainer(_compat.StepHookTrainer):
         return self._sum_sq
 
     def _global_sum_of_squares(self) -> nd.NDArray:
-        if self.size == 1:
+        if self._unsplit():       # every gradient here, reduced
             return _kernels.total_sum_squares(
                 [_compat.legacy(p.list_grad()[0]) for p in _compat.trainer_params(self)
                  if p.grad_req != 'null'])
@@ -367,8 +376,8 @@ class ShardedTrainer(_compat.StepHookTrainer):
             # optimizer had none of it to update (or skipped the step)
             if reduced and buf.slices is not None and k not in self._combined:
                 buf.slices.nothing(buf.received.context)
-        if reduced:       # every rank, applied or skipped (a skipped step gathers the same)
-            self._gather_weights()
+        if reduced and not self._replicated:
+            self._gather_weights()     # every rank, applied or skipped (the same weights)
 
     def _gather_weights(self) -> None:
         for k, buf in enumerate(self._buffers):
@@ -382,17 +391,7 @@ class ShardedTrainer(_compat.StepHookTrainer):
         and the split tensors' norms), and ``ring_allreduce`` (what a ring allreduce of
         the gradients sends per rank, as ``hvd.DistributedTrainer`` does)."""
         self._prepare()
-        n = self.size
-        reduce_ = total = 0
-        norm = 4
-        for buf in self._buffers:
-            item = np.dtype(buf.layout.dtype).itemsize
-            reduce_ += (n - 1) * buf.layout.shard * item
-            total += buf.layout.total * item
-            norm += 0 if buf.slices is None else 8 * buf.slices.entries
-        ring = 2 * (n - 1) / n if n > 1 else 0.0
-        return {'reduce': reduce_, 'gather': reduce_, 'norm': int(ring * norm),
-                'ring_allreduce': int(ring * total)}
+        return _exchange_bytes(self)
 
     # -- windows, memory --------------------------------------------------------------
     def window_accumulator(self, index: int, weight: nd.NDArray) -> Optional[nd.NDArray]:
@@ -400,7 +399,7 @@ class ShardedTrainer(_compat.StepHookTrainer):
         optimizer state's for a tensor this rank holds whole, one of this Trainer's
         otherwise (each rank sums its own micro-batches of every parameter before the one
         exchange)."""
-        if self.size == 1 or index in self._whole:
+        if self._unsplit() or index in self._whole:
             state = _compat.updater_state(_compat.trainer_updaters(self)[0], index, weight)
             return self.optimizer.split_state(weight, state)[2]
         acc = self._accs.get(index)
@@ -430,10 +429,12 @@ class ShardedTrainer(_compat.StepHookTrainer):
             raise ValueError('ShardedTrainer.save_states: %d micro-batches of an '
                              'accumulation window (batch_scale=%d) are summed on each rank; '
                              'save at a window boundary' % (position, opt.batch_scale))
-        if self.size == 1:
-            checkpoint.save_states(self, fname)
-            return
         self._prepare()
+        if self._unsplit():             # every rank holds every state
+            if self.rank == 0:
+                checkpoint.save_states(self, fname)
+            self._saved()
+            return
         updater = _compat.trainer_updaters(self)[0]
         mine = updater.states
         params = _compat.trainer_params(self)
@@ -452,21 +453,47 @@ class ShardedTrainer(_compat.StepHookTrainer):
         finally:
             updater.states = mine
             _compat.set_update_counts(opt, counts)
-        # every rank returns once rank 0 has written the file
-        self._hvd.allreduce(nd.zeros((1,)), name='%s.saved' % self._hvd_prefix).asnumpy()
+        self._saved()
+
+    def _saved(self) -> None:
+        if self.size > 1:         # every rank returns once rank 0 has written the file
+            self._hvd.allreduce(nd.zeros((1,)), name='%s.saved' % self._hvd_prefix).asnumpy()
+
+    def _unsplit(self) -> bool:
+        """Whether this rank holds every parameter whole (one rank, or a model too small
+        to split)."""
+        return self.size == 1 or self._replicated
 
     def load_states(self, fname: str) -> None:
         """Load a states file of this model (consolidated, unsharded, from any world size)
         on every rank, keeping the states of this rank's pieces (cut out of the whole)."""
         checkpoint.load_states(self, fname)
-        if self.size > 1:
-            self._prepare()
+        self._prepare()
+        if not self._unsplit():
             updater = _compat.trainer_updaters(self)[0]
             sizes = {i: int(np.prod(p.shape))
                      for i, p in enumerate(_compat.trainer_params(self))}
             updater.states = shard_states.pieces_of(self.layouts, self.rank, updater.states,
                                                     sizes)
             updater.states_synced = dict.fromkeys(updater.states, False)
+
+
+def _exchange_bytes(trainer: ShardedTrainer) -> Dict[str, int]:
+    """`ShardedTrainer.exchange_bytes` of this rank."""
+    n = trainer.size
+    reduce_ = total = 0
+    norm = 4
+    for buf in trainer._buffers:
+        item = np.dtype(buf.layout.dtype).itemsize
+        reduce_ += (n - 1) * buf.layout.shard * item
+        total += buf.layout.total * item
+        norm += 0 if buf.slices is None else 8 * buf.slices.entries
+    ring = 2 * (n - 1) / n if n > 1 else 0.0
+    gather = reduce_
+    if trainer._replicated:      # one ring allreduce of the gradients, no gather
+        reduce_, gather = int(ring * total), 0
+    return {'reduce': reduce_, 'gather': gather, 'norm': int(ring * norm),
+            'ring_allreduce': int(ring * total)}
 
 
 def _piece_weight(trainer: ShardedTrainer, index: int) -> nd.NDArray:
@@ -482,7 +509,7 @@ def _fresh_updates(trainer: ShardedTrainer, ignore_stale_grad: bool
     """(index, gradient, weight) of this rank's pieces (every parameter with one rank) to
     update, after gluon's stale-gradient check; every gradient is marked used."""
     params = _compat.trainer_params(trainer)
-    if trainer.size == 1:
+    if trainer._unsplit():
         candidates = [(i, _compat.legacy(p.list_grad()[0]), _compat.legacy(p.list_data()[0]))
                       for i, p in enumerate(params) if p.grad_req != 'null']
     else:
@@ -525,7 +552,7 @@ def _bytes_held(trainer: ShardedTrainer) -> Tuple[int, int]:
     split = getattr(trainer.optimizer, 'split_state', None)
     params = _compat.trainer_params(trainer)
     for i, held in _compat.trainer_updaters(trainer)[0].states.items():
-        weight = (params[i].list_data()[0] if trainer.size == 1
+        weight = (params[i].list_data()[0] if trainer._unsplit()
                   else _piece_weight(trainer, i))
         if split is not None:
             family, master, acc = split(weight, held)
